@@ -1,0 +1,177 @@
+"""The `eyrie` command line.
+
+`eyrie --help` must not import torch, transformers or vLLM: heavy imports live inside the
+command functions (a test checks the import boundary). Only this module turns an
+`EyrieError` into an exit code: 2 for configuration errors, 1 for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from shared.errors import ConfigError, EyrieError
+
+#: Service modules that add subcommands: each has `register(subparsers)`.
+COMMAND_MODULES: list[str] = []
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. train.lr=1e-4 (repeatable)")
+
+
+def _load(args: argparse.Namespace):
+    from shared.recipe import resolve_recipe
+
+    return resolve_recipe(args.recipe, args.override)
+
+
+def cmd_recipe_check(args: argparse.Namespace) -> int:
+    from shared.recipe import recipe_to_yaml
+
+    recipe = _load(args)
+    print(f"# run id: {recipe.run_id()}")
+    print(recipe_to_yaml(recipe), end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from services.conductor.driver import DriveOptions, drive
+    from shared.queue import connect
+    from shared.store import RunStore
+
+    recipe = _load(args)
+    conn = connect()
+    store = RunStore.create(recipe, command=" ".join(sys.argv))
+    print(f"run {store.run_id} at {store.root}", flush=True)
+    drive(store, conn, DriveOptions(stop_after=args.stop_after, poll_s=args.poll_s))
+    print(f"run {store.run_id}: done", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from services.conductor.status import print_status
+
+    return print_status(args.run)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from shared.queue import connect, make_worker
+
+    conn = connect()
+    w = make_worker(args.queues, conn, name=args.name,
+                    job_monitoring_interval=args.monitor_interval_s,
+                    worker_ttl=args.worker_ttl_s)
+    w.work(burst=args.burst, with_scheduler=args.with_scheduler,
+           logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"))
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from services.conductor.driver import plan
+    from services.conductor.stages import get_stage
+    from shared.store import RunStore
+
+    recipe = _load(args)
+    store = RunStore.create(recipe, command=" ".join(sys.argv))
+    plan(store, recipe)
+    stage = get_stage(args.name)
+    if store.is_done(stage.name, args.shard) and not args.force:
+        print(f"{stage.name}[{args.shard}] already done (manifest exists); --force to redo")
+        return 0
+    t0 = time.monotonic()
+    m = stage.load()(store, recipe, args.shard)
+    print(json.dumps({"stage": stage.name, "shard": args.shard, "counts": m.counts,
+                      "seconds": round(time.monotonic() - t0, 1)}, indent=2))
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    from shared.queue import connect, reconcile
+
+    for jid in reconcile(connect(), stale_after_s=args.stale_after_s):
+        print(f"re-enqueued {jid}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of every `eyrie` subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="eyrie", description="Train, export and benchmark EAGLE-3 drafts for vLLM.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    recipe = sub.add_parser("recipe", help="recipe tools")
+    rsub = recipe.add_subparsers(dest="recipe_command", required=True)
+    check = rsub.add_parser("check", help="validate a recipe and print the resolved one")
+    _add_recipe_args(check)
+    check.set_defaults(func=cmd_recipe_check)
+
+    run = sub.add_parser("run", help="plan a run and drive it to completion through rq")
+    _add_recipe_args(run)
+    run.add_argument("--stop-after", metavar="STAGE", help="stop after this stage")
+    run.add_argument("--poll-s", type=float, default=1.0, help="manifest poll interval")
+    run.set_defaults(func=cmd_run)
+
+    st = sub.add_parser("status", help="per-stage progress of a run (or list runs)")
+    st.add_argument("run", nargs="?", help="run id (default: list runs)")
+    st.set_defaults(func=cmd_status)
+
+    wk = sub.add_parser("worker", help="an rq worker (non-forking for extract/train)")
+    wk.add_argument("queues", nargs="+", help="queues: prep regen extract train eval")
+    wk.add_argument("--name", help="worker name (default: rq's)")
+    wk.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    wk.add_argument("--with-scheduler", action="store_true", help="run rq's scheduler too")
+    wk.add_argument("--monitor-interval-s", type=int, default=30,
+                    help="rq job_monitoring_interval: heartbeat period in seconds")
+    wk.add_argument("--worker-ttl-s", type=int, default=None, help="rq worker_ttl in seconds")
+    wk.set_defaults(func=cmd_worker)
+
+    sg = sub.add_parser("stage", help="run one stage shard in-process, without Redis")
+    sg.add_argument("name", help="stage name")
+    _add_recipe_args(sg)
+    sg.add_argument("--shard", type=int, default=0, help="shard number")
+    sg.add_argument("--force", action="store_true", help="ignore an existing manifest")
+    sg.set_defaults(func=cmd_stage)
+
+    rc = sub.add_parser("reconcile", help="re-enqueue jobs abandoned by dead workers")
+    rc.add_argument("--stale-after-s", type=float, default=90.0,
+                    help="worker heartbeat age that counts as dead")
+    rc.set_defaults(func=cmd_reconcile)
+
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `eyrie` console script. Returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as e:
+        print(f"eyrie: {e}", file=sys.stderr)
+        return 2
+    except EyrieError as e:
+        print(f"eyrie: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Every on-disk artifact of a run, in one place.
+
+A run lives at `$EYRIE_DATA/runs/<run_id>/`. Each stage writes under its own folder and
+finishes by writing `manifest-<NNNNN>.json` (one per shard, `shared.store.Manifest`).
+Shard files are named `shard-<NNNNN><suffix>` (5-digit, zero-padded).
+
+Run level
+    recipe.yaml, recipe.json   resolved recipe (json = canonical, what the run hash covers)
+    commands.log               every command that touched the run
+    plan.json                  {"num_shards": N, "datasets": [...], "shards": [[[ds, row], ...]]}
+                               which source rows each prep shard reads (services.prep.plan)
+    timings.json               wall seconds per stage (conductor)
+
+prep/      (one job per shard, queue prep)
+    shard-N.jsonl              canonical conversations, one JSON object per line:
+                               {"id": str, "source": str, "messages": [Message], "tools": list|None}
+                               Message = {"role": "system"|"user"|"assistant"|"tool",
+                                          "content": str, "reasoning_content"?: str,
+                                          "tool_calls"?: [{"type": "function", "function":
+                                              {"name": str, "arguments": str(JSON)}}],
+                                          "name"?: str}
+    shard-N.quarantine.jsonl   {"file", "row", "field", "reason", "raw"} per quarantined row
+    shard-N.report.json        {"rows_in", "kept", "skipped": {reason: n}, "realigned": {...}}
+
+dedup/     (single job)
+    keep.json                  {"<shard>": [kept row indices of prep/shard-N.jsonl]} after
+                               first-prompt dedup and eval decontamination
+    report.json                {"duplicates": n, "contaminated": n, "kept": n}
+
+regen/     (one job per shard, queue regen, baseline server up)
+    shard-N.jsonl              one line per successfully regenerated conversation:
+                               {"id", "source", "messages": [Message] (assistant turns are
+                                the target's), "turns": [{"prompt_token_ids": [int],
+                                "completion_token_ids": [int], "finish_reason": str}],
+                                "sampling": {...}, "chat_template_kwargs": {...},
+                                "server": {"model": str, "url": str}}
+    shard-N.errors.jsonl       {"id", "reason", "detail"} for rows not regenerated
+    manifest counts: input == success + error + skipped
+
+tokenize/  (one job per shard, queue prep)
+    shard-N/                   HF `datasets` save_to_disk: input_ids list[int32],
+                               loss_mask list[int8] (1 = assistant-generated token),
+                               seq_len int32, id str, source str
+    shard-N.report.json        truncated, dropped_no_trainable, tokens, assistant_tokens, ...
+
+vocab/     (single job)
+    token_freq.npy             int64 [target_vocab]: counts over loss-masked tokens
+    d2t.npy                    int64 [draft_vocab]: offsets, target = draft + d2t[draft]
+    t2d.npy                    bool  [target_vocab]
+    coverage.json              coverage share, top left-out tokens, sizes
+
+extract/   (one job per shard, queue extract; speculators offline layout per shard)
+    shard-N/data/              HF save_to_disk: input_ids, loss_mask, seq_len (same rows as
+                               tokenize/shard-N, same order)
+    shard-N/hidden_states/hs_<row>.safetensors
+                               hidden_states bf16 [seq_len, 3+1, H] (aux ids in order, then
+                               the final PRE-norm state); token_ids int64 [seq_len]
+    shard-N/meta.json          {"aux_layer_ids", "aux_id_convention", "final_state":
+                                "pre_norm", "target", "target_revision", "hidden_size",
+                                "dtype", "quarantined": [...]}
+
+train/     (single job, queue train)
+    checkpoints/epoch-<E>/     trainable draft weights only (no frozen embeddings/lm_head of
+                               the verifier) + training_state.pt (optimizer, scheduler, step,
+                               epoch, data position, RNG)
+    metrics.jsonl              per step and per epoch records
+    best.json                  which epoch is best by validation
+
+export/    (single job, queue train)
+    vllm/                      llama-style folder (config.json + model.safetensors with d2t, t2d)
+    speculators/               speculators save_pretrained folder
+    sglang/                    llama-style weights, aux ids written as k-1
+    lint.json                  per-folder invariant checks
+
+eval/      (shard 0 = baseline server, shard 1 = eagle3 server, queue eval)
+    shard-N.json               client metrics per (temperature, concurrency) and the
+                               /metrics counter deltas of the window
+
+report/    (single job, queue eval)
+    report.json, report.md, speedup.png, acceptance.png
+"""
+
+PREP_SUFFIX = ".jsonl"
+QUARANTINE_SUFFIX = ".quarantine.jsonl"
+REPORT_SUFFIX = ".report.json"

