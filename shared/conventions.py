@@ -181,9 +181,7 @@ def check_d2t_t2d(
     d2t = np.asarray(d2t)
     t2d = np.asarray(t2d).astype(bool)
     if d2t.ndim != 1 or t2d.ndim != 1:
-        raise ContractMismatchError(
-            f"d2t and t2d must be 1-D (got {d2t.shape}, {t2d.shape})"
-        )
+        raise ContractMismatchError(f"d2t and t2d must be 1-D (got {d2t.shape}, {t2d.shape})")
     if len(d2t) != draft_vocab_size:
         raise ContractMismatchError(
             f"len(d2t) = {len(d2t)} but draft_vocab_size = {draft_vocab_size}"
@@ -251,7 +249,7 @@ def mean_acceptance_length(accepted_tokens: float, num_drafts: float) -> float:
 
 
 def draft_acceptance_rate(accepted_tokens: float, draft_tokens: float) -> float:
-    """accepted / draft_tokens, in 0..1."""
+    """Accepted / draft_tokens, in 0..1."""
     if draft_tokens <= 0:
         raise ContractMismatchError("no draft tokens were counted: acceptance rate undefined")
     return accepted_tokens / draft_tokens

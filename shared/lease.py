@@ -41,7 +41,11 @@ def current_holder(conn: Redis) -> dict | None:
 
 @contextmanager
 def gpu_lease(
-    conn: Redis, phase: str, run_id: str, ttl_s: float = 60, wait_s: float = 24 * 3600,
+    conn: Redis,
+    phase: str,
+    run_id: str,
+    ttl_s: float = 60,
+    wait_s: float = 24 * 3600,
     poll_s: float = 1.0,
 ) -> Iterator[dict]:
     """Hold the GPU lease for `phase` for the duration of the block.
@@ -55,8 +59,11 @@ def gpu_lease(
             names the holder.
     """
     record = {
-        "phase": phase, "run_id": run_id, "token": uuid.uuid4().hex,
-        "owner": f"{socket.gethostname()}:{os.getpid()}", "since": time.time(),
+        "phase": phase,
+        "run_id": run_id,
+        "token": uuid.uuid4().hex,
+        "owner": f"{socket.gethostname()}:{os.getpid()}",
+        "since": time.time(),
     }
     value = json.dumps(record)
     deadline = time.monotonic() + wait_s

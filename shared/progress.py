@@ -9,8 +9,10 @@ from tqdm import tqdm
 
 
 class Progress:
-    """A progress bar that also writes `{done, total, unit, rate, eta_s, ...}` to the current
-    rq job's meta (when running inside one), at most every `meta_every_s` seconds.
+    """A tqdm progress bar that also reports to the current rq job's meta.
+
+    When running inside an rq job, `job.meta["progress"]` gets `{done, total, unit, rate,
+    eta_s, ...}` at most every `meta_every_s` seconds, for `eyrie status`.
 
     Args:
         total: units of work expected (rows, tokens, steps).
@@ -34,15 +36,19 @@ class Progress:
         if extra:
             self.bar.set_postfix(extra, refresh=False)
         now = time.monotonic()
-        if self.job is not None and (now - self._last >= self.meta_every_s or
-                                     self.done >= self.total):
+        if self.job is not None and (
+            now - self._last >= self.meta_every_s or self.done >= self.total
+        ):
             self._last = now
             elapsed = max(now - self.start, 1e-9)
             rate = self.done / elapsed
             eta = (self.total - self.done) / rate if rate > 0 else None
             self.job.meta["progress"] = {
-                "done": self.done, "total": self.total, "unit": self.unit,
-                "rate": round(rate, 2), "eta_s": None if eta is None else round(eta, 1),
+                "done": self.done,
+                "total": self.total,
+                "unit": self.unit,
+                "rate": round(rate, 2),
+                "eta_s": None if eta is None else round(eta, 1),
                 **{k: v for k, v in extra.items() if isinstance(v, int | float | str)},
             }
             self.job.save_meta()

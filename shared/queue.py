@@ -138,8 +138,13 @@ def enqueue(spec: JobSpec, conn: Redis, depends_on: list[str] | None = None) -> 
     existing = q.fetch_job(jid)
     if existing is not None:
         status = existing.get_status(refresh=True)
-        if status in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.DEFERRED,
-                      JobStatus.SCHEDULED, JobStatus.FINISHED):
+        if status in (
+            JobStatus.QUEUED,
+            JobStatus.STARTED,
+            JobStatus.DEFERRED,
+            JobStatus.SCHEDULED,
+            JobStatus.FINISHED,
+        ):
             return existing
         existing.delete()
     return q.enqueue(
@@ -165,8 +170,10 @@ def make_worker(
     job_monitoring_interval: int = 30,
     worker_ttl: int | None = None,
 ) -> Worker:
-    """An rq worker for `queues`: non-forking (model loaded once) for extract/train, forking
-    for CPU stages. Mixing the two kinds in one worker is refused.
+    """Build an rq worker for `queues`.
+
+    extract/train get rq's non-forking SimpleWorker (the model stays loaded across jobs);
+    CPU stages get the forking Worker. Mixing the two kinds in one worker is refused.
 
     Raises:
         ConfigError: unknown queue, or extract/train mixed with forking queues.
@@ -195,7 +202,8 @@ def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) 
     if not worker_name:
         return False
     w = Worker.find_by_key(
-        Worker.redis_worker_namespace_prefix + worker_name, connection=conn,
+        Worker.redis_worker_namespace_prefix + worker_name,
+        connection=conn,
         serializer=JSONSerializer,
     )
     if w is None:
@@ -211,7 +219,9 @@ def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) 
     return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
 
 
-def reconcile(conn: Redis, queues: tuple[str, ...] = QUEUES, stale_after_s: float = 90) -> list[str]:
+def reconcile(
+    conn: Redis, queues: tuple[str, ...] = QUEUES, stale_after_s: float = 90
+) -> list[str]:
     """Find abandoned jobs (worker died, job left "started") and re-enqueue them.
 
     Runs rq's started-registry cleanup itself instead of waiting for a worker's maintenance

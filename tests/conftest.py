@@ -52,13 +52,28 @@ def redis_server(tmp_path_factory):
     """An ephemeral redis-server on its own port and folder; yields its URL."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server not found: run scripts/setup (installs it with apt)",
-                    pytrace=False)
+        pytest.fail(
+            "redis-server not found: run scripts/setup (installs it with apt)", pytrace=False
+        )
     port = free_port()
     d = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
-         "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(d),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     from redis import Redis
 

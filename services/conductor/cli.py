@@ -24,8 +24,14 @@ COMMAND_MODULES: list[str] = []
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override, e.g. train.lr=1e-4 (repeatable)")
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. train.lr=1e-4 (repeatable)",
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -67,11 +73,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from shared.queue import connect, make_worker
 
     conn = connect()
-    w = make_worker(args.queues, conn, name=args.name,
-                    job_monitoring_interval=args.monitor_interval_s,
-                    worker_ttl=args.worker_ttl_s)
-    w.work(burst=args.burst, with_scheduler=args.with_scheduler,
-           logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"))
+    w = make_worker(
+        args.queues,
+        conn,
+        name=args.name,
+        job_monitoring_interval=args.monitor_interval_s,
+        worker_ttl=args.worker_ttl_s,
+    )
+    w.work(
+        burst=args.burst,
+        with_scheduler=args.with_scheduler,
+        logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"),
+    )
     return 0
 
 
@@ -89,8 +102,17 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return 0
     t0 = time.monotonic()
     m = stage.load()(store, recipe, args.shard)
-    print(json.dumps({"stage": stage.name, "shard": args.shard, "counts": m.counts,
-                      "seconds": round(time.monotonic() - t0, 1)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "stage": stage.name,
+                "shard": args.shard,
+                "counts": m.counts,
+                "seconds": round(time.monotonic() - t0, 1),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -105,7 +127,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of every `eyrie` subcommand."""
     parser = argparse.ArgumentParser(
-        prog="eyrie", description="Train, export and benchmark EAGLE-3 drafts for vLLM.")
+        prog="eyrie", description="Train, export and benchmark EAGLE-3 drafts for vLLM."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -130,8 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--name", help="worker name (default: rq's)")
     wk.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     wk.add_argument("--with-scheduler", action="store_true", help="run rq's scheduler too")
-    wk.add_argument("--monitor-interval-s", type=int, default=30,
-                    help="rq job_monitoring_interval: heartbeat period in seconds")
+    wk.add_argument(
+        "--monitor-interval-s",
+        type=int,
+        default=30,
+        help="rq job_monitoring_interval: heartbeat period in seconds",
+    )
     wk.add_argument("--worker-ttl-s", type=int, default=None, help="rq worker_ttl in seconds")
     wk.set_defaults(func=cmd_worker)
 
@@ -143,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg.set_defaults(func=cmd_stage)
 
     rc = sub.add_parser("reconcile", help="re-enqueue jobs abandoned by dead workers")
-    rc.add_argument("--stale-after-s", type=float, default=90.0,
-                    help="worker heartbeat age that counts as dead")
+    rc.add_argument(
+        "--stale-after-s", type=float, default=90.0, help="worker heartbeat age that counts as dead"
+    )
     rc.set_defaults(func=cmd_reconcile)
 
     for mod in COMMAND_MODULES:
@@ -158,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:

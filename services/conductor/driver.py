@@ -56,8 +56,9 @@ def plan(store: RunStore, recipe: Recipe) -> int:
 
 
 @contextlib.contextmanager
-def stage_phase(stage: Stage, store: RunStore, recipe: Recipe, conn: Redis,
-                shards: list[int]) -> Iterator[None]:
+def stage_phase(
+    stage: Stage, store: RunStore, recipe: Recipe, conn: Redis, shards: list[int]
+) -> Iterator[None]:
     """Hold the GPU lease and the servers `stage` needs while its `shards` run."""
     if stage.gpu_phase is None:
         yield
@@ -87,13 +88,20 @@ def _failed_error(stage: Stage, conn: Redis, run_id: str, shard: int) -> StageFa
         return None  # the reconciler requeues these
     tail = (job.exc_info or "").strip().splitlines()[-3:]
     return StageFailedError(
-        f"stage {stage.name} shard {shard} of {run_id} failed: " + " | ".join(tail)
+        f"stage {stage.name} shard {shard} of {run_id} failed: "
+        + " | ".join(tail)
         + f"\n  (full traceback: `rq info` or job {job.id})"
     )
 
 
-def run_stage(stage: Stage, store: RunStore, recipe: Recipe, conn: Redis,
-              opts: DriveOptions, on_tick: Callable[[], None] | None = None) -> None:
+def run_stage(
+    stage: Stage,
+    store: RunStore,
+    recipe: Recipe,
+    conn: Redis,
+    opts: DriveOptions,
+    on_tick: Callable[[], None] | None = None,
+) -> None:
     """Enqueue the unfinished shards of `stage` and wait until all are done."""
     all_shards = shards_of(stage, store)
     todo = [s for s in all_shards if not store.is_done(stage.name, s)]
@@ -103,13 +111,20 @@ def run_stage(stage: Stage, store: RunStore, recipe: Recipe, conn: Redis,
     for group in _shard_groups(stage, recipe, todo):
         with stage_phase(stage, store, recipe, conn, group):
             for shard in group:
-                enqueue(JobSpec(stage.queue, store.run_id, stage.name, shard, stage.timeout_s),
-                        conn)
+                enqueue(
+                    JobSpec(stage.queue, store.run_id, stage.name, shard, stage.timeout_s), conn
+                )
             _wait(stage, store, conn, group, opts, on_tick)
 
 
-def _wait(stage: Stage, store: RunStore, conn: Redis, shards: list[int], opts: DriveOptions,
-          on_tick: Callable[[], None] | None) -> None:
+def _wait(
+    stage: Stage,
+    store: RunStore,
+    conn: Redis,
+    shards: list[int],
+    opts: DriveOptions,
+    on_tick: Callable[[], None] | None,
+) -> None:
     last_reconcile = 0.0
     while True:
         pending = [s for s in shards if not store.is_done(stage.name, s)]
@@ -129,8 +144,12 @@ def _wait(stage: Stage, store: RunStore, conn: Redis, shards: list[int], opts: D
         time.sleep(opts.poll_s)
 
 
-def drive(store: RunStore, conn: Redis, opts: DriveOptions | None = None,
-          on_tick: Callable[[], None] | None = None) -> None:
+def drive(
+    store: RunStore,
+    conn: Redis,
+    opts: DriveOptions | None = None,
+    on_tick: Callable[[], None] | None = None,
+) -> None:
     """Run every stage of the run to completion, skipping finished shards.
 
     Raises:

@@ -61,20 +61,42 @@ def _register(stage: Stage) -> None:
 for _s in [
     Stage("prep", "prep", 1 * H, "services.prep.jobs:run_prep", sharded=True),
     Stage("dedup", "prep", 1 * H, "services.prep.jobs:run_dedup", sharded=False),
-    Stage("regen", "regen", 6 * H, "services.regen.jobs:run_regen", sharded=True,
-          gpu_phase="regen", enabled=lambda r: r.regen.enabled),
+    Stage(
+        "regen",
+        "regen",
+        6 * H,
+        "services.regen.jobs:run_regen",
+        sharded=True,
+        gpu_phase="regen",
+        enabled=lambda r: r.regen.enabled,
+    ),
     Stage("tokenize", "prep", 1 * H, "services.prep.jobs:run_tokenize", sharded=True),
     Stage("vocab", "prep", 1 * H, "services.train.vocab:run_vocab", sharded=False),
-    Stage("extract", "extract", 2 * H, "services.extract.jobs:run_extract", sharded=True,
-          gpu_phase="extract"),
-    Stage("train", "train", 48 * H, "services.train.jobs:run_train", sharded=False,
-          gpu_phase="train"),
-    Stage("export", "train", 1 * H, "services.train.jobs:run_export", sharded=False,
-          gpu_phase="train"),
+    Stage(
+        "extract",
+        "extract",
+        2 * H,
+        "services.extract.jobs:run_extract",
+        sharded=True,
+        gpu_phase="extract",
+    ),
+    Stage(
+        "train", "train", 48 * H, "services.train.jobs:run_train", sharded=False, gpu_phase="train"
+    ),
+    Stage(
+        "export", "train", 1 * H, "services.train.jobs:run_export", sharded=False, gpu_phase="train"
+    ),
     # eval shard 0 benchmarks the baseline server, shard 1 the eagle3 server; side by side
     # when memory allows (eval.side_by_side), else one after the other under the lease.
-    Stage("eval", "eval", 4 * H, "services.bench.jobs:run_eval", sharded=False,
-          fixed_shards=2, gpu_phase="eval"),
+    Stage(
+        "eval",
+        "eval",
+        4 * H,
+        "services.bench.jobs:run_eval",
+        sharded=False,
+        fixed_shards=2,
+        gpu_phase="eval",
+    ),
     Stage("report", "eval", 1 * H, "services.bench.jobs:run_report", sharded=False),
 ]:
     _register(_s)

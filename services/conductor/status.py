@@ -40,14 +40,24 @@ def stage_rows(store: RunStore, conn) -> list[dict]:
             st, prog = _job_state(conn, stage.queue, job_id(store.run_id, stage.name, s))
             states[st] = states.get(st, 0) + 1
             if prog:
-                live.append(f"[{s}] {prog.get('done')}/{prog.get('total')} {prog.get('unit')}"
-                            + (f" eta {prog['eta_s']:.0f}s" if prog.get("eta_s") else ""))
+                live.append(
+                    f"[{s}] {prog.get('done')}/{prog.get('total')} {prog.get('unit')}"
+                    + (f" eta {prog['eta_s']:.0f}s" if prog.get("eta_s") else "")
+                )
         counts: dict[str, int] = {}
         for m in store.manifests(stage.name):
             for k, v in m.counts.items():
                 counts[k] = counts.get(k, 0) + v
-        rows.append({"stage": stage.name, "done": len(done), "total": len(shards),
-                     "states": states, "live": live, "counts": counts})
+        rows.append(
+            {
+                "stage": stage.name,
+                "done": len(done),
+                "total": len(shards),
+                "states": states,
+                "live": live,
+                "counts": counts,
+            }
+        )
     return rows
 
 
@@ -70,7 +80,8 @@ def print_status(run: str | None) -> int:
         table.add_column(col)
     for r in stage_rows(store, conn):
         table.add_row(
-            r["stage"], f"{r['done']}/{r['total']}",
+            r["stage"],
+            f"{r['done']}/{r['total']}",
             " ".join(f"{k}:{v}" for k, v in r["states"].items()),
             "\n".join(r["live"][:4]),
             json.dumps(dict(list(r["counts"].items())[:6]))[:80],

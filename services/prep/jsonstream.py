@@ -36,8 +36,9 @@ class StreamResult:
     error: str | None = None
 
 
-def iter_json_array(path: Path | str, result: StreamResult | None = None,
-                    chunk_chars: int = 1 << 22) -> Iterator[tuple[int, Any]]:
+def iter_json_array(
+    path: Path | str, result: StreamResult | None = None, chunk_chars: int = 1 << 22
+) -> Iterator[tuple[int, Any]]:
     """Yield `(index, record)` for each complete element of the JSON array in `path`.
 
     Reads the file in chunks of `chunk_chars` characters, so memory stays bounded by the
