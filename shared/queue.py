@@ -131,8 +131,10 @@ def enqueue(spec: JobSpec, conn: Redis, depends_on: list[str] | None = None) -> 
     Raises:
         ConfigError: the payload is not JSON or the id is invalid.
     """
-    payload = {"run_id": spec.run_id, "stage": spec.stage, "shard": int(spec.shard)}
+    payload = {"run_id": spec.run_id, "stage": spec.stage, "shard": spec.shard}
     _check_json(payload)
+    if not isinstance(spec.shard, int) or isinstance(spec.shard, bool):
+        raise ConfigError(f"job payload shard must be an integer (got {spec.shard!r})")
     jid = job_id(spec.run_id, spec.stage, spec.shard)
     q = get_queue(spec.queue, conn)
     existing = q.fetch_job(jid)
@@ -198,6 +200,12 @@ def make_worker(
     )
 
 
+def failure_text(job: Job) -> str:
+    """The traceback (or rq's failure note) of a failed job's latest run, or ''."""
+    result = job.latest_result()
+    return (result.exc_string or "") if result is not None else ""
+
+
 def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
     if not worker_name:
         return False
@@ -255,7 +263,7 @@ def reconcile(
         failed = q.failed_job_registry
         for jid in failed.get_job_ids():
             job = q.fetch_job(jid)
-            if job is None or "AbandonedJobError" not in (job.exc_info or ""):
+            if job is None or "AbandonedJobError" not in failure_text(job):
                 continue
             job.meta["abandoned"] = int(job.meta.get("abandoned", 0)) + 1
             job.save_meta()

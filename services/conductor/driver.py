@@ -24,7 +24,7 @@ from rq.job import JobStatus
 from services.conductor.stages import Stage, pipeline, shards_of
 from shared.errors import StageFailedError
 from shared.lease import gpu_lease
-from shared.queue import JobSpec, enqueue, get_queue, job_id, reconcile
+from shared.queue import JobSpec, enqueue, failure_text, get_queue, job_id, reconcile
 from shared.recipe import Recipe
 from shared.store import RunStore, atomic_write_json
 
@@ -84,9 +84,10 @@ def _failed_error(stage: Stage, conn: Redis, run_id: str, shard: int) -> StageFa
     job = get_queue(stage.queue, conn).fetch_job(job_id(run_id, stage.name, shard))
     if job is None or job.get_status(refresh=True) != JobStatus.FAILED:
         return None
-    if "AbandonedJobError" in (job.exc_info or ""):
+    text = failure_text(job)
+    if "AbandonedJobError" in text:
         return None  # the reconciler requeues these
-    tail = (job.exc_info or "").strip().splitlines()[-3:]
+    tail = text.strip().splitlines()[-3:]
     return StageFailedError(
         f"stage {stage.name} shard {shard} of {run_id} failed: "
         + " | ".join(tail)

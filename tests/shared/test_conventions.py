@@ -1,0 +1,122 @@
+"""Every convention in shared/conventions.py against known values from eagle3-conventions.md."""
+
+import numpy as np
+import pytest
+
+from shared import conventions as c
+from shared.errors import ConfigError, ContractMismatchError
+
+
+@pytest.mark.parametrize(("n", "ids"), [(30, [2, 15, 27]), (61, [2, 30, 58]), (32, [2, 16, 29])])
+def test_default_aux_ids(n, ids):
+    assert c.default_aux_layer_ids(n) == ids
+
+
+def test_default_aux_ids_tiny_model_rejected():
+    # N=4 gives [2, 2, 1]: duplicates, so tiny models need explicit ids.
+    with pytest.raises(ConfigError, match="distinct"):
+        c.default_aux_layer_ids(4)
+
+
+@pytest.mark.parametrize(
+    ("ids", "msg"),
+    [
+        ([2, 15], "exactly 3"),
+        ([2, 15, 27, 30], "exactly 3"),
+        ([2, 2, 27], "distinct"),
+        ([0, 15, 27], "out of range"),
+        ([2, 15, 30], "out of range"),
+    ],
+)
+def test_invalid_aux_ids(ids, msg):
+    with pytest.raises(ConfigError, match=msg):
+        c.validate_aux_layer_ids(ids, 30)
+
+
+def test_resolve_default_and_list():
+    assert c.resolve_aux_layer_ids("default", 30) == [2, 15, 27]
+    assert c.resolve_aux_layer_ids([3, 10, 20], 30) == [3, 10, 20]
+
+
+def test_sglang_ids_known_value():
+    assert c.sglang_layer_ids([2, 15, 27]) == [1, 14, 26]
+    assert c.sglang_layer_ids([2, 30, 58]) == [1, 29, 57]
+
+
+def test_sglang_refuses_ids_not_starting_at_2():
+    with pytest.raises(ContractMismatchError, match="25454"):
+        c.sglang_layer_ids([1, 15, 27])
+    with pytest.raises(ContractMismatchError):
+        c.sglang_layer_ids([3, 15, 27])
+
+
+def test_d2t_t2d_doc_example():
+    # eagle3-conventions.md §3: target vocab 10, selected [0, 2, 3, 7].
+    d2t, t2d = c.build_d2t_t2d([0, 2, 3, 7], 10)
+    assert d2t.tolist() == [0, 1, 1, 4]
+    assert t2d.astype(int).tolist() == [1, 0, 1, 1, 0, 0, 0, 1, 0, 0]
+    assert d2t.dtype == np.int64 and t2d.dtype == bool
+    c.check_d2t_t2d(d2t, t2d, 4, lm_head_rows=4)
+
+
+def test_identity_mapping_is_zeros_not_arange():
+    d2t, t2d = c.build_d2t_t2d(list(range(5)), 5)
+    assert d2t.tolist() == [0, 0, 0, 0, 0]
+    assert t2d.all()
+
+
+def test_select_vocab_top_k_ties_by_lower_id_sorted():
+    freq = np.zeros(10, dtype=np.int64)
+    freq[[7, 3, 5, 1]] = [9, 4, 4, 4]  # 7 first, then a three-way tie at 4: ids 1, 3 win
+    ids = c.select_draft_vocab(freq, 3)
+    assert ids.tolist() == [1, 3, 7]
+
+
+def test_select_vocab_pads_with_lowest_unused():
+    freq = np.zeros(10, dtype=np.int64)
+    freq[[8, 4]] = [5, 2]
+    assert c.select_draft_vocab(freq, 4).tolist() == [0, 1, 4, 8]
+
+
+def test_select_vocab_too_large():
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        c.select_draft_vocab(np.ones(5, dtype=np.int64), 6)
+
+
+@pytest.mark.parametrize(
+    ("d2t", "t2d", "n", "rows", "msg"),
+    [
+        ([0, 1, 1, 4], [1, 0, 1, 1, 0, 0, 0, 1, 0, 0], 5, None, "len\\(d2t\\)"),
+        ([0, 1, 1], [1, 0, 1, 1, 0, 0, 0, 1, 0, 0], 3, None, "t2d.sum"),
+        ([0, 1, 1, 4], [1, 0, 1, 1, 0, 0, 0, 1, 0, 0], 4, 5, "lm_head"),
+        ([0, 1, 2, 3], [1, 0, 1, 1, 0, 0, 0, 1, 0, 0], 4, None, "offsets"),
+        ([0, 2, 3, 7], [1, 0, 1, 1, 0, 0, 0, 1, 0, 0], 4, None, "offsets"),
+    ],
+)
+def test_check_d2t_t2d_catches(d2t, t2d, n, rows, msg):
+    with pytest.raises(ContractMismatchError, match=msg):
+        c.check_d2t_t2d(np.array(d2t), np.array(t2d, dtype=bool), n, rows)
+
+
+def test_coverage():
+    freq = np.array([5, 0, 3, 2], dtype=np.int64)
+    assert c.coverage(freq, np.array([1, 0, 1, 0], dtype=bool)) == pytest.approx(0.8)
+
+
+def test_shift_mask_doc_example():
+    assert c.shift_mask_left([0, 0, 0, 1, 1, 1, 1]) == [0, 0, 1, 1, 1, 1, 0]
+
+
+def test_tau_doc_example():
+    # k=4, accept vectors [1,1,0,0], [0,1,1,1], [1,1,1,1] accept prefixes 2, 0, 4.
+    vectors = [[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]]
+    prefixes = [c.accepted_prefix_len(v) for v in vectors]
+    assert prefixes == [2, 0, 4]
+    accepted, drafts, draft_tokens = sum(prefixes), len(vectors), 4 * len(vectors)
+    assert c.mean_acceptance_length(accepted, drafts) == pytest.approx(3.0)
+    assert c.draft_acceptance_rate(accepted, draft_tokens) == pytest.approx(0.5)
+
+
+def test_tau_undefined_without_drafts():
+    with pytest.raises(ContractMismatchError):
+        c.mean_acceptance_length(0, 0)

@@ -1,0 +1,149 @@
+"""rq plumbing on a real Redis with real workers: ids, JSON payloads, reconciler."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import psutil
+import pytest
+from rq.job import JobStatus
+
+from shared.errors import ConfigError, ServiceUnavailableError
+from shared.queue import JobSpec, connect, enqueue, get_queue, job_id, mask_url, reconcile
+from shared.recipe import resolve_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_job_ids_deterministic_and_valid():
+    run = resolve_recipe(
+        {"name": "kimi-k2.5", "target": {"path": "/m"}, "datasets": [{"path": "/d"}]}
+    ).run_id()
+    assert job_id(run, "prep", 3) == job_id(run, "prep", 3) == f"{run}-prep-3"
+    assert all(ch.isalnum() or ch in "_-" for ch in job_id(run, "prep", 3))
+    with pytest.raises(ConfigError, match="only letters"):
+        job_id("kimi-k2.5", "prep", 0)
+
+
+def test_unreachable_redis_masks_password():
+    with pytest.raises(ServiceUnavailableError) as e:
+        connect("redis://:s3cret@127.0.0.1:1/0")
+    assert "s3cret" not in str(e.value) and "***" in str(e.value)
+    assert mask_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
+
+
+def test_enqueue_uses_json_and_explicit_timeout(redis_url):
+    conn = connect(redis_url)
+    job = enqueue(JobSpec("prep", "run-1", "prep", 2, timeout_s=1234), conn)
+    assert job.id == "run-1-prep-2" and job.timeout == 1234
+    assert job.kwargs == {"run_id": "run-1", "stage": "prep", "shard": 2}
+    raw = zlib.decompress(conn.hget(job.key, "data"))  # rq stores zlib(serializer output)
+    assert json.loads(raw)[0] == "services.conductor.jobs.run_stage_job"  # JSON, not pickle
+    again = enqueue(JobSpec("prep", "run-1", "prep", 2, timeout_s=1234), conn)
+    assert again.id == job.id and len(get_queue("prep", conn)) == 1
+
+
+def test_non_json_payload_refused_at_enqueue(redis_url):
+    conn = connect(redis_url)
+    with pytest.raises(ConfigError, match="not plain JSON"):
+        enqueue(JobSpec("prep", "run-1", "prep", float("nan"), timeout_s=10), conn)  # type: ignore[arg-type]
+    q = get_queue("prep", conn)
+    with pytest.raises(TypeError):
+        q.enqueue("tests.shared.jobfns.echo", object())  # the JSON serializer refuses it
+    assert len(q) == 0
+
+
+def _start_worker(redis_url: str, name: str, burst: bool) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.conductor.cli",
+        "worker",
+        "prep",
+        "--name",
+        name,
+        "--monitor-interval-s",
+        "2",
+        "--worker-ttl-s",
+        "30",
+    ] + (["--burst"] if burst else [])
+    env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    parent = psutil.Process(proc.pid)
+    for p in parent.children(recursive=True) + [parent]:
+        p.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_real_worker_runs_a_job(redis_url, tmp_path):
+    conn = connect(redis_url)
+    q = get_queue("prep", conn)
+    job = q.enqueue(
+        "tests.shared.jobfns.slow_write",
+        str(tmp_path / "o"),
+        3,
+        0.0,
+        job_id="t-write-0",
+        job_timeout=60,
+    )
+    w = _start_worker(redis_url, "w-once", burst=True)
+    assert w.wait(timeout=120) == 0
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    assert (tmp_path / "o" / "data.txt").read_text().count("\n") == 3
+
+
+@pytest.mark.slow
+def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path):
+    conn = connect(redis_url)
+    q = get_queue("prep", conn)
+    out = tmp_path / "o"
+    job = q.enqueue(
+        "tests.shared.jobfns.slow_write", str(out), 400, 0.02, job_id="t-write-1", job_timeout=300
+    )
+    w1 = _start_worker(redis_url, "w-victim", burst=False)
+    deadline = time.monotonic() + 120
+    while not (out / "runs.log").exists():
+        assert time.monotonic() < deadline, "worker never started the job"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    _kill_tree(w1)  # the worker and its work-horse
+    assert job.get_status(refresh=True) == JobStatus.STARTED  # rq still thinks it runs
+    assert not (out / "data.txt").exists()
+
+    t0 = time.monotonic()
+    requeued = []
+    while not requeued:
+        requeued = reconcile(conn, ("prep",), stale_after_s=30)
+        assert time.monotonic() - t0 < 30, "reconciler did not re-enqueue within 30 s"
+        time.sleep(0.5)
+    assert requeued == ["t-write-1"]
+    assert job.get_status(refresh=True) == JobStatus.QUEUED
+
+    w2 = _start_worker(redis_url, "w-rescue", burst=True)
+    assert w2.wait(timeout=180) == 0
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    lines = (out / "data.txt").read_text().splitlines()
+    assert lines == [f"row {i}" for i in range(400)]
+    assert (out / "runs.log").read_text().count("\n") == 2  # killed run + rescue run
+    assert [p.name for p in out.iterdir() if p.name.startswith(".tmp-")] != []  # orphan temp
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".tmp-")) == [
+        "data.txt",
+        "manifest.json",
+        "runs.log",
+    ]
