@@ -199,6 +199,17 @@ class TrainConfig(Section):
     )
     keep_last: int = Field(2, gt=0, description="Per-epoch checkpoints kept (plus the best).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+    step_checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Optimizer steps between rolling mid-epoch resume checkpoints (one kept, "
+        "overwritten); 0 = only per-epoch checkpoints.",
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="Compute precision: 'bf16' autocast, 'fp32', or 'auto' = bf16 autocast on "
+        "CUDA and fp32 on CPU. Master weights and optimizer state stay fp32.",
+    )
 
 
 class EvalConfig(Section):
