@@ -1,0 +1,209 @@
+"""The benchmark report: baseline and eagle3 sweeps side by side, as JSON and Markdown.
+
+`build_report` pairs the windows of the two servers by (temperature, concurrency); speedup
+is eagle3 output tok/s ÷ baseline output tok/s, both measured by the same client on the same
+prompts. τ per temperature pools the counter deltas of every concurrency at that temperature
+(τ = 1 + Σaccepted / Σdrafts, `shared.conventions.mean_acceptance_length`).
+
+report.json layout: `{"run_id", "target", "k", "prompt_set", "num_prompts", "max_tokens",
+"rows": [Row], "tau": {"<T>": τ}, "acceptance_rate": {"<T>": r},
+"per_position_rate": {"<T>": [k floats]}, "flags": [Flag]}` (Flag: `diagnosis.flags_for`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shared.conventions import draft_acceptance_rate, mean_acceptance_length
+from shared.errors import ArtifactError
+
+
+def _key(w: dict[str, Any]) -> tuple[float, int]:
+    return float(w["temperature"]), int(w["concurrency"])
+
+
+def _row(base: dict[str, Any], eag: dict[str, Any]) -> dict[str, Any]:
+    b, e, ctr = base["client"], eag["client"], eag["counters"]
+    return {
+        "temperature": float(eag["temperature"]),
+        "concurrency": int(eag["concurrency"]),
+        "baseline_tok_s": b["output_tok_s"],
+        "eagle3_tok_s": e["output_tok_s"],
+        "speedup": e["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None,
+        "baseline_ttft_s": b["ttft_s_mean"],
+        "eagle3_ttft_s": e["ttft_s_mean"],
+        "baseline_itl_s": b["itl_s_mean"],
+        "eagle3_itl_s": e["itl_s_mean"],
+        "baseline_tpot_s": b["tpot_s_mean"],
+        "eagle3_tpot_s": e["tpot_s_mean"],
+        "failed": b["failed"] + e["failed"],
+        "tau": ctr["tau"],
+        "acceptance_rate": ctr["acceptance_rate"],
+        "per_position_rate": ctr["per_position_rate"],
+    }
+
+
+def pair_rows(baseline: dict[str, Any], eagle3: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (temperature, concurrency) window both servers ran.
+
+    Raises:
+        ArtifactError: the two sweeps did not run the same windows.
+    """
+    b = {_key(w): w for w in baseline["windows"]}
+    e = {_key(w): w for w in eagle3["windows"]}
+    if set(b) != set(e):
+        raise ArtifactError(
+            f"eval: baseline windows {sorted(b)} differ from eagle3 windows {sorted(e)}; "
+            "both shards must run the same recipe (rerun eval)"
+        )
+    return [_row(b[k], e[k]) for k in sorted(b)]
+
+
+def pooled_acceptance(eagle3: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per temperature: τ, acceptance rate and per-position rate over all its windows."""
+    pools: dict[str, dict[str, Any]] = {}
+    for w in eagle3["windows"]:
+        c = w["counters"]
+        if c.get("drafts") is None:
+            continue
+        p = pools.setdefault(
+            str(float(w["temperature"])),
+            {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "pos": []},
+        )
+        p["drafts"] += c["drafts"]
+        p["draft_tokens"] += c["draft_tokens"] or 0.0
+        p["accepted"] += c["accepted"] or 0.0
+        pos = c.get("accepted_per_position") or []
+        p["pos"] = [a + b for a, b in zip(p["pos"] or [0.0] * len(pos), pos, strict=True)]
+    out = {}
+    for t, p in pools.items():
+        d = p["drafts"]
+        out[t] = {
+            "tau": mean_acceptance_length(p["accepted"], d) if d else None,
+            "acceptance_rate": draft_acceptance_rate(p["accepted"], p["draft_tokens"])
+            if p["draft_tokens"]
+            else None,
+            "per_position_rate": [a / d for a in p["pos"]] if d else None,
+        }
+    return out
+
+
+def build_report(
+    baseline: dict[str, Any], eagle3: dict[str, Any], meta: dict[str, Any], problems: list[str]
+) -> dict[str, Any]:
+    """Combine both shards' sweeps into the report dict (layout in the module docstring).
+
+    Args:
+        baseline, eagle3: `eval/shard-0.json` and `eval/shard-1.json` contents.
+        meta: run facts copied into the report (run_id, target, k, prompt_set, ...).
+        problems: `diagnosis.check_export` findings.
+    """
+    from services.bench.diagnosis import flags_for
+
+    rows = pair_rows(baseline, eagle3)
+    pooled = pooled_acceptance(eagle3)
+    greedy = pooled.get(str(min(float(w["temperature"]) for w in eagle3["windows"])), {})
+    speedups = {
+        f"T={r['temperature']} c={r['concurrency']}": r["speedup"]
+        for r in rows
+        if r["speedup"] is not None
+    }
+    return {
+        **meta,
+        "rows": rows,
+        "tau": {t: p["tau"] for t, p in pooled.items()},
+        "acceptance_rate": {t: p["acceptance_rate"] for t, p in pooled.items()},
+        "per_position_rate": {t: p["per_position_rate"] for t, p in pooled.items()},
+        "flags": flags_for(greedy.get("tau"), speedups, problems),
+    }
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: a summary line, the per-window table, then the flags."""
+    lines = [
+        f"# EAGLE-3 benchmark: {report.get('run_id', '?')}",
+        "",
+        f"target `{report.get('target', '?')}`, k={report.get('k', '?')}, "
+        f"{report.get('num_prompts', '?')} {report.get('prompt_set', '?')} prompts, "
+        f"max_tokens {report.get('max_tokens', '?')}",
+        "",
+        "| T | conc | baseline tok/s | eagle3 tok/s | speedup | τ | accept rate | "
+        "per-position | TTFT ms (b/e) | ITL ms (b/e) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        pos = " ".join(_f(p) for p in r["per_position_rate"] or []) or "-"
+        lines.append(
+            f"| {r['temperature']:g} | {r['concurrency']} | {_f(r['baseline_tok_s'], '.1f')} | "
+            f"{_f(r['eagle3_tok_s'], '.1f')} | {_f(r['speedup'])}x | {_f(r['tau'], '.3f')} | "
+            f"{_f(r['acceptance_rate'], '.3f')} | {pos} | "
+            f"{_ms(r['baseline_ttft_s'])}/{_ms(r['eagle3_ttft_s'])} | "
+            f"{_ms(r['baseline_itl_s'])}/{_ms(r['eagle3_itl_s'])} |"
+        )
+    taus = ", ".join(f"T={t}: {_f(v, '.3f')}" for t, v in report["tau"].items())
+    lines += ["", f"τ per temperature (all concurrencies pooled): {taus or '-'}", ""]
+    for flag in report["flags"]:
+        lines += [f"**FLAG ({flag['kind']})**: {flag['message']}", ""]
+        lines += [f"- confirmed: {c}" for c in flag["confirmed"]]
+        lines += [f"- likely: {c}" for c in flag["likely_causes"]]
+        lines.append("")
+    if not report["flags"]:
+        lines.append("No flags: τ and speedup are above their thresholds.")
+    return "\n".join(lines) + "\n"
+
+
+def load_report(ref: str | Path, data_root: Path | None = None) -> dict[str, Any]:
+    """A report by path (report.json or its folder) or by run id under the data root.
+
+    Raises:
+        ArtifactError: nothing found.
+    """
+    from shared.store import RunStore
+
+    p = Path(ref)
+    candidates = [
+        p,
+        p / "report.json",
+        p / "report" / "report.json",
+        RunStore(str(ref), data_root).root / "report" / "report.json",
+    ]
+    for c in candidates:
+        if c.is_file():
+            return json.loads(c.read_text())
+    raise ArtifactError(
+        f"{ref}: no report.json (tried {', '.join(str(c) for c in candidates)}); "
+        "run `eyrie bench` on it first"
+    )
+
+
+def compare_markdown(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Markdown comparing two reports window by window (speedup and τ of A vs B)."""
+    ra = {(r["temperature"], r["concurrency"]): r for r in a["rows"]}
+    rb = {(r["temperature"], r["concurrency"]): r for r in b["rows"]}
+    lines = [
+        f"# Compare A = {a.get('run_id', '?')} vs B = {b.get('run_id', '?')}",
+        "",
+        "| T | conc | speedup A | speedup B | τ A | τ B | eagle3 tok/s A | eagle3 tok/s B |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(set(ra) | set(rb)):
+        x, y = ra.get(key, {}), rb.get(key, {})
+        lines.append(
+            f"| {key[0]:g} | {key[1]} | {_f(x.get('speedup'))} | {_f(y.get('speedup'))} | "
+            f"{_f(x.get('tau'), '.3f')} | {_f(y.get('tau'), '.3f')} | "
+            f"{_f(x.get('eagle3_tok_s'), '.1f')} | {_f(y.get('eagle3_tok_s'), '.1f')} |"
+        )
+    for name, rep in (("A", a), ("B", b)):
+        for flag in rep.get("flags", []):
+            lines.append(f"\n{name} FLAG ({flag['kind']}): {flag['message']}")
+    return "\n".join(lines) + "\n"
