@@ -364,10 +364,12 @@ def _parse_override_value(raw: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply dotted `a.b.c=value` overrides (values parsed as YAML) to a nested dict copy.
+    """Apply dotted `a.b.c=value` overrides (values parsed as YAML) to a nested copy.
+
+    A numeric part indexes a list: `datasets.0.max_samples=40`.
 
     Raises:
-        ConfigError: an override is not of the form `key.path=value`.
+        ConfigError: an override is not `key.path=value`, or its path does not fit the data.
     """
     out = json.loads(json.dumps(data))
     for item in overrides:
@@ -375,14 +377,27 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {item!r}: expected key.path=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        node = out
-        for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
-                node[p] = {} if node.get(p) is None else node[p]
-            if not isinstance(node[p], dict):
-                raise ConfigError(f"override {key}: {p} is not a section")
-            node = node[p]
-        node[parts[-1]] = _parse_override_value(raw)
+        node: Any = out
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not p.isdigit() or int(p) >= len(node):
+                    raise ConfigError(
+                        f"override {key}: {p!r} is not an index of a {len(node)}-item list"
+                    )
+                if last:
+                    node[int(p)] = _parse_override_value(raw)
+                else:
+                    node = node[int(p)]
+            elif isinstance(node, dict):
+                if last:
+                    node[p] = _parse_override_value(raw)
+                else:
+                    if node.get(p) is None:
+                        node[p] = {}
+                    node = node[p]
+            else:
+                raise ConfigError(f"override {key}: {'.'.join(parts[:i])} is not a section")
     return out
 
 

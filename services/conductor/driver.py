@@ -108,7 +108,7 @@ def run_stage(
     todo = [s for s in all_shards if not store.is_done(stage.name, s)]
     if not todo:
         log.info("stage %s: all %d shard(s) done, skipping", stage.name, len(all_shards))
-        return
+        return False
     for group in _shard_groups(stage, recipe, todo):
         with stage_phase(stage, store, recipe, conn, group):
             for shard in group:
@@ -116,6 +116,7 @@ def run_stage(
                     JobSpec(stage.queue, store.run_id, stage.name, shard, stage.timeout_s), conn
                 )
             _wait(stage, store, conn, group, opts, on_tick)
+    return True
 
 
 def _wait(
@@ -163,10 +164,10 @@ def drive(
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     for stage in pipeline(recipe):
         t0 = time.monotonic()
-        run_stage(stage, store, recipe, conn, opts, on_tick)
-        dt = round(time.monotonic() - t0, 1)
-        log.info("stage %s done in %.1fs", stage.name, dt)
-        timings[stage.name] = dt
-        atomic_write_json(timings_path, timings)
+        if run_stage(stage, store, recipe, conn, opts, on_tick):
+            dt = round(time.monotonic() - t0, 1)
+            log.info("stage %s done in %.1fs", stage.name, dt)
+            timings[stage.name] = dt
+            atomic_write_json(timings_path, timings)
         if opts.stop_after == stage.name:
             return

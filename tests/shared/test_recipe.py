@@ -91,6 +91,10 @@ def test_overrides_applied_then_validated(tmp_path):
         resolve_recipe(p, ["train.lr=-1"])
     with pytest.raises(ConfigError, match="expected key.path=value"):
         resolve_recipe(p, ["train.lr"])
+    r = resolve_recipe(p, ["datasets.0.max_samples=40"])
+    assert r.datasets[0].max_samples == 40
+    with pytest.raises(ConfigError, match="not an index of a 1-item list"):
+        resolve_recipe(p, ["datasets.3.max_samples=40"])
 
 
 def test_env_expansion_in_paths(tmp_path, monkeypatch):

