@@ -19,7 +19,7 @@ from collections.abc import Callable
 from shared.errors import ConfigError, EyrieError
 
 #: Service modules that add subcommands: each has `register(subparsers)`.
-COMMAND_MODULES: list[str] = ["services.bench.cli"]
+COMMAND_MODULES: list[str] = ["services.conductor.demo", "services.bench.cli"]
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
