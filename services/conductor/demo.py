@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -122,8 +123,9 @@ def start_workers(
     procs = []
     for queues, count in WORKERS:
         for i in range(count):
-            name = f"demo-{'-'.join(queues)}-{i}-{os.getpid()}"
-            log = open(log_dir / f"worker-{'-'.join(queues)}-{i}.log", "w")
+            # Unique: a killed worker's name stays registered in Redis until its TTL.
+            name = f"demo-{'-'.join(queues)}-{i}-{uuid.uuid4().hex[:8]}"
+            log = open(log_dir / f"{name}.log", "w")
             proc = subprocess.Popen(
                 [
                     sys.executable,
