@@ -73,11 +73,20 @@ export/    (single job, queue train)
     lint.json                  per-folder invariant checks
 
 eval/      (shard 0 = baseline server, shard 1 = eagle3 server, queue eval)
-    shard-N.json               client metrics per (temperature, concurrency) and the
-                               /metrics counter deltas of the window
+    shard-N.json               {"mode", "url", "model", "num_prompts", "max_tokens",
+                                "prompt_source", "second_turn", "windows": [{"temperature",
+                                "concurrency", "client": LevelResult (output_tok_s, ttft,
+                                itl, tpot, failed...), "counters": WindowDelta (drafts,
+                                draft_tokens, accepted, accepted_per_position, tau, ...)}]}
+                               (services.bench.sweep; counters are deltas over the window)
+    turn1-answers.json         {"answers": [str]} the target's greedy MT-Bench turn-1
+                               answers, first writer wins (only with eval.second_turn)
 
 report/    (single job, queue eval)
-    report.json, report.md, speedup.png, acceptance.png
+    report.json                rows per (temperature, concurrency) with speedup, tau and
+                               acceptance; pooled tau per temperature; flags with likely
+                               causes (services.bench.report, services.bench.diagnosis)
+    report.md, speedup.png, acceptance.png
 """
 
 PREP_SUFFIX = ".jsonl"

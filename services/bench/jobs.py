@@ -51,7 +51,7 @@ def benchmark(
     from shared.progress import Progress
 
     cfg = recipe.eval
-    prompts = benchmark_messages(store, recipe)
+    prompts, source = benchmark_messages(store, recipe)
     if cfg.second_turn and cfg.prompt_set == "mtbench":
         prompts = with_second_turns(
             store.stage_dir("eval") / TURN1_FILE, baseline_url, prompts, cfg, request_extras(recipe)
@@ -64,7 +64,8 @@ def benchmark(
                 1, tok_s=round(w["client"]["output_tok_s"], 1), tau=w["counters"]["tau"] or 0.0
             )
 
-        return sweep_server(url, mode, prompts, cfg, tick, request_extras(recipe))
+        result = sweep_server(url, mode, prompts, cfg, tick, request_extras(recipe))
+    return {**result, "prompt_source": source, "second_turn": cfg.second_turn}
 
 
 def run_eval(store: RunStore, recipe: Recipe, shard: int) -> Manifest:

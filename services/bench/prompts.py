@@ -9,11 +9,12 @@ Sets:
   `services/bench/data/`, a user's clone has no ../shared, see SOURCES.md). First turns by
   default; with `eval.second_turn` each question also gets its second turn after the target's
   own first answer (`second_turn_messages`).
-- `heldout`: a held-out slice of the run's own data: the *last* `eval.num_prompts`
-  conversations of the dedup'd prep output (prep shards in order, rows in `dedup/keep.json`
-  order), cut before their first assistant turn. The trainer's validation split is the tail of
-  the sample order too, so these rows are the ones least likely to be in training; a run whose
-  data all went into training still benchmarks on its own distribution.
+- `heldout`: a held-out slice of the run's own data. When the run has extract output, these
+  are the conversations of the trainer's validation split (`services.train.samples.
+  split_train_val` with `train.val_fraction` and `train.seed`, mapped to sample ids through
+  `tokenize/shard-N`), cut before their first assistant turn: rows the draft never trained
+  on. Before extraction exists, the last `eval.num_prompts` dedup'd prep conversations are
+  used instead, and the result says so (`heldout_source`).
 """
 
 from __future__ import annotations
@@ -75,40 +76,81 @@ def _prompt_of(messages: list[dict]) -> Messages | None:
     return out if any(m["role"] == "user" for m in out) else None
 
 
-def heldout_messages(store: RunStore, num_prompts: int) -> list[Messages]:
-    """The last `num_prompts` dedup'd prep conversations of the run, cut before turn 1.
-
-    Rows come from `prep/shard-N.jsonl`, filtered by `dedup/keep.json` when it exists.
-
-    Raises:
-        ArtifactError: the run has no prep output, or too few usable rows.
-    """
+def _kept_conversations(store: RunStore) -> list[dict]:
+    """The dedup'd prep conversations of the run, shard by shard, in keep order."""
     prep = store.root / "prep"
-    shards = sorted(prep.glob("shard-*.jsonl"))
-    shards = [p for p in shards if not p.name.endswith(".quarantine.jsonl")]
+    shards = [p for p in sorted(prep.glob("shard-*.jsonl")) if p.name.count(".") == 1]
     if not shards:
         raise ArtifactError(f"{prep}: no prep shards; the held-out prompt set needs `prep` done")
     keep_path = store.root / "dedup" / "keep.json"
     keep = json.loads(keep_path.read_text()) if keep_path.is_file() else None
-    rows: list[Messages] = []
+    rows: list[dict] = []
     for path in shards:
         lines = path.read_text(encoding="utf-8").splitlines()
         shard = str(int(path.name.split("-")[1].split(".")[0]))
         idx = keep[shard] if keep is not None else range(len(lines))
-        for i in idx:
-            prompt = _prompt_of(json.loads(lines[i])["messages"])
-            if prompt is not None:
-                rows.append(prompt)
-    if len(rows) < num_prompts:
+        rows += [json.loads(lines[i]) for i in idx]
+    return rows
+
+
+def validation_ids(store: RunStore, recipe: Recipe) -> list[str] | None:
+    """Sample ids of the trainer's validation split, or None before extraction exists."""
+    if not any((store.root / "extract").glob("shard-*")):
+        return None
+    from datasets import load_from_disk
+
+    from services.train.samples import extract_shards, index_samples, split_train_val
+
+    index = index_samples(extract_shards(store))
+    _, val = split_train_val(index.refs, recipe.train.val_fraction, recipe.train.seed)
+    ids: dict[str, list[str]] = {}
+    out = []
+    for ref in val:
+        name = ref.shard_dir.name
+        if name not in ids:
+            tok = store.root / "tokenize" / name
+            ids[name] = list(load_from_disk(str(tok)).select_columns(["id"])["id"])
+        out.append(ids[name][ref.row])
+    return out
+
+
+def heldout_messages(
+    store: RunStore, num_prompts: int, val_ids: list[str] | None = None
+) -> list[Messages]:
+    """Held-out prompts of the run (see the module docstring), cut before turn 1.
+
+    Args:
+        val_ids: the trainer's validation sample ids (`validation_ids`); None = the last
+            `num_prompts` dedup'd prep conversations.
+
+    Raises:
+        ArtifactError: the run has no prep output, or no usable held-out row.
+    """
+    rows = _kept_conversations(store)
+    if val_ids is not None:
+        by_id = {r["id"]: r for r in rows}
+        rows = [by_id[i] for i in val_ids if i in by_id]
+    prompts = [p for p in (_prompt_of(r["messages"]) for r in rows) if p is not None]
+    if val_ids is None and len(prompts) < num_prompts:
         raise ArtifactError(
-            f"{prep}: {len(rows)} usable held-out conversations, eval.num_prompts asks "
-            f"{num_prompts}; lower eval.num_prompts or use eval.prompt_set=mtbench"
+            f"{store.root / 'prep'}: {len(prompts)} usable held-out conversations, "
+            f"eval.num_prompts asks {num_prompts}; lower it or use eval.prompt_set=mtbench"
         )
-    return rows[-num_prompts:]
+    if not prompts:
+        raise ArtifactError(
+            f"{store.root}: the validation split holds no usable conversation; raise "
+            "train.val_fraction or use eval.prompt_set=mtbench"
+        )
+    return prompts[-num_prompts:] if val_ids is None else prompts[:num_prompts]
 
 
-def benchmark_messages(store: RunStore, recipe: Recipe) -> list[Messages]:
-    """Turn-1 conversations of the recipe's prompt set (`eval.prompt_set`)."""
+def benchmark_messages(store: RunStore, recipe: Recipe) -> tuple[list[Messages], str]:
+    """Turn-1 conversations of the recipe's prompt set (`eval.prompt_set`), and their source.
+
+    The source is `mtbench`, `heldout:validation_split` or `heldout:prep_tail`.
+    """
     if recipe.eval.prompt_set == "heldout":
-        return heldout_messages(store, recipe.eval.num_prompts)
-    return mtbench_messages(recipe.eval.num_prompts)
+        val = validation_ids(store, recipe)
+        source = "heldout:prep_tail" if val is None else "heldout:validation_split"
+        return heldout_messages(store, recipe.eval.num_prompts, val), source
+    return mtbench_messages(recipe.eval.num_prompts), "mtbench"
