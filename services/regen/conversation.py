@@ -1,0 +1,147 @@
+"""Regenerating one conversation turn by turn with the target.
+
+Rule: walk the canonical messages; every assistant message is replaced by the target's own
+answer to everything before it, so each next user turn follows the target's previous answer
+(the EAGLE-3 recipe: train on the target's own distribution). System, user and tool
+messages are kept as they are.
+
+Invariants:
+- the output's k-th assistant message is the text of `turns[k]`, whose ids are exactly what
+  the server saw (`prompt_token_ids`) and sampled (`completion_token_ids`);
+- at most `max_turns` answers; a trailing user turn with no answer in the source is
+  answered too (within `max_turns`); messages after the last answer are dropped;
+- an assistant message with no user (or tool) turn before it is not regenerated and is
+  dropped (ShareGPT records that start mid-conversation);
+- regeneration stops before an assistant message with tool calls: the recorded tool results
+  answer the original calls, not the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.regen.client import ChatClient, ChatResult, RejectedError
+
+#: Outcome statuses; the job's accounting is success + error + skipped == input.
+SUCCESS, ERROR, SKIPPED = "success", "error", "skipped"
+
+
+@dataclass
+class Outcome:
+    """The result for one input row.
+
+    Attributes:
+        status: success, error or skipped.
+        reason: why not success (`prompt_too_long`, `no_user_turn`, `tool_calls`,
+            `server_rejected`), or why a success stopped early ('' = not early).
+        detail: human-readable detail (server message, token counts).
+        messages: the regenerated conversation (success only).
+        turns: per answer `{prompt_token_ids, completion_token_ids, finish_reason}`.
+        results: the raw `ChatResult`s, in turn order.
+    """
+
+    status: str
+    reason: str = ""
+    detail: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    results: list[ChatResult] = field(default_factory=list)
+
+
+def request_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A canonical message as sent to the server (role, content, and tool fields)."""
+    out = {"role": m["role"], "content": m.get("content", "")}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if m.get(key):
+            out[key] = m[key]
+    return out
+
+
+class Regenerator:
+    """Answers one conversation's turns through `client`.
+
+    Args:
+        client: the chat client (server, sampling, template kwargs).
+        prompt_tokens: counts the tokens of the rendered prompt of `(messages, tools)` with
+            the generation prompt, exactly as the server renders it.
+        max_turns: answers regenerated per conversation.
+        max_prompt_tokens: a turn whose prompt is longer is not sent.
+    """
+
+    def __init__(
+        self,
+        client: ChatClient,
+        prompt_tokens: Callable[[list[dict[str, Any]], list | None], int],
+        max_turns: int,
+        max_prompt_tokens: int,
+    ):
+        self.client, self.prompt_tokens = client, prompt_tokens
+        self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
+
+    async def run(self, row: dict[str, Any]) -> Outcome:
+        """Regenerate `row` (a canonical prep row). Never raises for a bad row.
+
+        Raises:
+            ServiceUnavailableError: the server is down (from the client).
+        """
+        tools = row.get("tools") or None
+        history: list[dict[str, Any]] = []
+        out = Outcome(SUCCESS)
+        answerable = False
+        for m in row["messages"]:
+            if m["role"] != "assistant":
+                history.append(request_message(m))
+                answerable = m["role"] in ("user", "tool")
+                continue
+            if not answerable:
+                continue  # nothing to answer: a record that starts mid-conversation
+            if len(out.turns) >= self.max_turns or m.get("tool_calls"):
+                out.reason = out.reason or ("tool_calls" if m.get("tool_calls") else "")
+                break
+            if not await self._answer(history, tools, out):
+                break
+            answerable = False
+        else:
+            if answerable and len(out.turns) < self.max_turns:
+                await self._answer(history, tools, out)
+        return self._finish(out, history)
+
+    async def _answer(self, history: list[dict], tools: list | None, out: Outcome) -> bool:
+        """Append the server's answer to `history` and `out`; False when it cannot."""
+        n = self.prompt_tokens(history, tools)
+        if n > self.max_prompt_tokens:
+            out.reason = "prompt_too_long"
+            out.detail = (
+                f"prompt of turn {len(out.turns)} has {n} tokens > {self.max_prompt_tokens}"
+            )
+            return False
+        try:
+            res = await self.client.chat(history, tools)
+        except RejectedError as e:
+            out.reason, out.detail = "server_rejected", f"turn {len(out.turns)}: {e.detail}"
+            return False
+        answer = {"role": "assistant", "content": res.text}
+        if res.reasoning:
+            answer["reasoning_content"] = res.reasoning
+        history.append(answer)
+        out.results.append(res)
+        out.turns.append(
+            {
+                "prompt_token_ids": res.prompt_token_ids,
+                "completion_token_ids": res.completion_token_ids,
+                "finish_reason": res.finish_reason,
+            }
+        )
+        return True
+
+    @staticmethod
+    def _finish(out: Outcome, history: list[dict[str, Any]]) -> Outcome:
+        if not out.turns:
+            out.status = ERROR if out.reason == "server_rejected" else SKIPPED
+            out.reason = out.reason or "no_user_turn"
+            return out
+        last = max(i for i, m in enumerate(history) if m["role"] == "assistant")
+        out.messages = history[: last + 1]
+        return out
