@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline-url", help="baseline server root (default: the launcher's)")
     p.add_argument("--eagle3-url", help="eagle3 server root (default: the launcher's)")
     p.add_argument("--checkpoint", help="offline: checkpoint folder to score")
+    p.add_argument(
+        "--max-samples", type=int, help="offline: score only this many validation samples"
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -107,16 +110,18 @@ def _live(args: argparse.Namespace, recipe_file: str) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
+    import json
+
     from services.bench.offline import offline_tau
     from shared.recipe import resolve_recipe
+    from shared.store import RunStore
 
     if len(args.args) != 2 or not args.checkpoint:
         raise ConfigError(
             "eyrie bench offline: usage `eyrie bench offline RECIPE --checkpoint DIR`"
         )
     recipe = resolve_recipe(args.args[1], args.override)
-    result = offline_tau(recipe, args.checkpoint)
-    import json
-
+    store = RunStore(recipe.run_id())
+    result = offline_tau(store, recipe, args.checkpoint, args.max_samples)
     print(json.dumps(result, indent=2))
     return 0
