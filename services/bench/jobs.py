@@ -11,8 +11,10 @@ Both are idempotent: the manifest is written last, and the conductor skips a don
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from shared.conventions import resolve_aux_layer_ids
@@ -38,6 +40,25 @@ def request_extras(recipe: Recipe) -> dict[str, Any]:
     return {"chat_template_kwargs": dict(kw)} if kw else {}
 
 
+@contextlib.contextmanager
+def measuring_alone(store: RunStore) -> Iterator[None]:
+    """Hold the run's measurement lock (`eval/.measure.lock`, flock) while a sweep runs.
+
+    Both servers may be up side by side, but two sweeps measured at once would share the
+    CPU/GPU and distort each other's tok/s; so shards 0 and 1 take turns even when two
+    eval workers picked them up together. The wait is bounded by the rq job timeout.
+    """
+    import fcntl
+
+    path = store.stage_dir("eval") / ".measure.lock"
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def benchmark(
     store: RunStore, recipe: Recipe, mode: str, url: str, baseline_url: str
 ) -> dict[str, Any]:
@@ -52,19 +73,18 @@ def benchmark(
 
     cfg = recipe.eval
     prompts, source = benchmark_messages(store, recipe)
-    if cfg.second_turn and cfg.prompt_set == "mtbench":
-        prompts = with_second_turns(
-            store.stage_dir("eval") / TURN1_FILE, baseline_url, prompts, cfg, request_extras(recipe)
-        )
     total = len(cfg.temperatures) * len(cfg.concurrency)
-    with Progress(total, "windows", f"eval {mode}") as bar:
+    with measuring_alone(store):
+        if cfg.second_turn and cfg.prompt_set == "mtbench":
+            turn1 = store.stage_dir("eval") / TURN1_FILE
+            prompts = with_second_turns(turn1, baseline_url, prompts, cfg, request_extras(recipe))
+        with Progress(total, "windows", f"eval {mode}") as bar:
 
-        def tick(w: dict[str, Any]) -> None:
-            bar.update(
-                1, tok_s=round(w["client"]["output_tok_s"], 1), tau=w["counters"]["tau"] or 0.0
-            )
+            def tick(w: dict[str, Any]) -> None:
+                tau = w["counters"]["tau"] or 0.0
+                bar.update(1, tok_s=round(w["client"]["output_tok_s"], 1), tau=tau)
 
-        result = sweep_server(url, mode, prompts, cfg, tick, request_extras(recipe))
+            result = sweep_server(url, mode, prompts, cfg, tick, request_extras(recipe))
     return {**result, "prompt_source": source, "second_turn": cfg.second_turn}
 
 
