@@ -96,7 +96,9 @@ def _live(args: argparse.Namespace, recipe_file: str) -> int:
     }
     groups = [["baseline", "eagle3"]] if recipe.eval.side_by_side else [["baseline"], ["eagle3"]]
     for modes in groups:
-        ctx = serving(recipe, store, modes) if args.start else contextlib.nullcontext({})
+        ctx: contextlib.AbstractContextManager[dict[str, str]] = (
+            serving(recipe, store, modes) if args.start else contextlib.nullcontext({})
+        )
         with ctx as started:
             urls.update(started or {})
             for mode in modes:

@@ -80,7 +80,7 @@ def _check_d2t(weights: Path, cfg: dict[str, Any]) -> list[str]:
 
     with safe_open(str(weights), "np") as f:
         keys = set(f.keys())
-        draft_vocab = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
+        draft_vocab = int(cfg.get("draft_vocab_size") or cfg.get("vocab_size") or 0)
         if "d2t" not in keys:
             if draft_vocab != cfg.get("vocab_size"):
                 return [f"d2t: {weights} has no d2t, so vLLM maps draft id i to target id i"]
@@ -92,7 +92,7 @@ def _check_d2t(weights: Path, cfg: dict[str, Any]) -> list[str]:
         ids = np.arange(len(d2t)) + d2t
         t2d[ids[(ids >= 0) & (ids < len(t2d))]] = True
     try:
-        check_d2t_t2d(d2t, t2d, int(draft_vocab))
+        check_d2t_t2d(d2t, t2d, draft_vocab)
     except ContractMismatchError as e:
         return [f"d2t: {weights}: {e}"]
     return []
