@@ -171,7 +171,7 @@ def make_worker(
     name: str | None = None,
     job_monitoring_interval: int = 30,
     worker_ttl: int | None = None,
-) -> Worker:
+) -> Worker | SimpleWorker:
     """Build an rq worker for `queues`.
 
     extract/train get rq's non-forking SimpleWorker (the model stays loaded across jobs);
@@ -248,7 +248,8 @@ def reconcile(
         reg = q.started_job_registry
         reg.cleanup()  # rq's own pass: executions whose heartbeat TTL ran out
         dead = []
-        for member in conn.zrange(reg.key, 0, -1):
+        members: list[bytes] = conn.zrange(reg.key, 0, -1)  # type: ignore[assignment]
+        for member in members:
             jid = member.decode().split(":")[0]
             job = q.fetch_job(jid)
             if job is None or job.get_status(refresh=True) != JobStatus.STARTED:

@@ -102,8 +102,12 @@ def run_stage(
     conn: Redis,
     opts: DriveOptions,
     on_tick: Callable[[], None] | None = None,
-) -> None:
-    """Enqueue the unfinished shards of `stage` and wait until all are done."""
+) -> bool:
+    """Enqueue the unfinished shards of `stage` and wait until all are done.
+
+    Returns:
+        False when every shard was already done (nothing ran), else True.
+    """
     all_shards = shards_of(stage, store)
     todo = [s for s in all_shards if not store.is_done(stage.name, s)]
     if not todo:
