@@ -1,0 +1,46 @@
+# syntax=docker/dockerfile:1
+# Eyrie's GPU image: the extractor and trainer workers (queues extract, train). CUDA torch
+# from PyPI (its Linux wheels bundle the CUDA runtime; the host's driver comes in through
+# the NVIDIA container toolkit), Eyrie, and speculators 0.9.0. vLLM is not here: it runs in
+# its official image (the compose `vllm` service).
+FROM python:3.11.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    EYRIE_DATA=/data \
+    EYRIE_CACHE=/cache \
+    HF_HOME=/hf-cache
+
+RUN groupadd --gid 10001 eyrie \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin eyrie \
+ && mkdir -p /app /data /cache /hf-cache /opt/eyrie \
+ && chown eyrie:eyrie /app /data /cache /hf-cache
+WORKDIR /app
+
+COPY images/constraints.txt images/requirements.py /opt/eyrie/
+COPY pyproject.toml /tmp/eyrie/pyproject.toml
+# torch 2.13.0 (CUDA), transformers 5.19.0: the versions speculators 0.9.0 accepts
+# (torch<=2.14.1, transformers<=5.19.0). speculators and hs-connectors go in with --no-deps:
+# their torchvision/torchaudio requirements would pull another torch, and speculators
+# imports neither; the rest of their requirements are installed from their metadata.
+RUN pip install --no-cache-dir -c /opt/eyrie/constraints.txt torch==2.13.0 \
+ && python /opt/eyrie/requirements.py pyproject /tmp/eyrie/pyproject.toml > /tmp/eyrie/req.txt \
+ && pip install --no-cache-dir -c /opt/eyrie/constraints.txt -r /tmp/eyrie/req.txt \
+ && pip install --no-cache-dir --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
+ && python /opt/eyrie/requirements.py dist speculators --drop torchvision torchaudio \
+      hs-connectors > /tmp/eyrie/spec.txt \
+ && pip install --no-cache-dir -c /opt/eyrie/constraints.txt -r /tmp/eyrie/spec.txt \
+ && python -c "import speculators, torch, transformers; print(torch.__version__, transformers.__version__)" \
+ && rm -rf /tmp/eyrie
+
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY services ./services
+COPY recipes ./recipes
+COPY images/worker-health.py /opt/eyrie/worker-health.py
+RUN pip install --no-cache-dir --no-deps -c /opt/eyrie/constraints.txt . \
+ && eyrie --help > /dev/null
+
+USER 10001:10001
+CMD ["eyrie", "--help"]

@@ -1,0 +1,102 @@
+"""Entrypoint of the compose `vllm` service: a recipe and VLLM_MODE in, `vllm` serving out.
+
+Runs inside the official vllm/vllm-openai image, with Eyrie's `shared/`, `services/` and
+`recipes/` mounted read-only on PYTHONPATH (docker-compose.yml). The command line comes from
+`services.serve.launcher.vllm_args`, the one function that builds vLLM's flags for the
+process backend, the docker backend and the tests, so the compose service and the servers
+the conductor starts can never drift apart. Mode-specific inputs come from the environment:
+
+  VLLM_MODE              baseline | eagle3 | extract (default baseline)
+  EYRIE_RECIPE           recipe YAML (relative paths resolve against /opt/eyrie/src)
+  EYRIE_RECIPE_OVERRIDES space-separated dotted overrides, e.g. serve.tensor_parallel_size=2
+  EYRIE_SERVE_DRAFT      eagle3: the exported draft folder, /data/runs/<run_id>/export/vllm
+  EYRIE_SERVE_HS_DIR     extract: where hidden states are written (on the runs volume)
+
+An eagle3 start runs the same preflight as the conductor (`services.serve.preflight`) first.
+The server binds 0.0.0.0 on the mode's recipe port (serve.port, serve.eagle3_port); the port
+goes to PORT_FILE for the compose healthcheck. `--print` prints the command instead of
+running it. Exit code 2 and a message naming the variable on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+SRC = Path(os.environ.get("EYRIE_SRC", "/opt/eyrie/src"))
+PORT_FILE = Path("/tmp/eyrie-vllm-port")
+API_SERVER = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def _die(msg: str) -> None:
+    print(f"vllm-serve: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _recipe_path() -> Path:
+    raw = os.environ.get("EYRIE_RECIPE", "")
+    if not raw:
+        _die("EYRIE_RECIPE is empty: set it in .env, e.g. recipes/llama-3.1-8b.yaml")
+    path = Path(raw)
+    return path if path.is_absolute() else SRC / path
+
+
+def _optional_dir(var: str) -> Path | None:
+    raw = os.environ.get(var, "")
+    return Path(raw) if raw else None
+
+
+def command() -> list[str]:
+    """The full server command for the environment's mode and recipe.
+
+    Raises:
+        SystemExit(2): a missing or bad input (message on stderr).
+    """
+    from services.serve import launcher
+    from shared.errors import EyrieError
+    from shared.recipe import resolve_recipe
+
+    mode = os.environ.get("VLLM_MODE", "baseline")
+    try:
+        launcher.check_mode(mode)
+        recipe = resolve_recipe(
+            _recipe_path(), shlex.split(os.environ.get("EYRIE_RECIPE_OVERRIDES", ""))
+        )
+        draft = _optional_dir("EYRIE_SERVE_DRAFT")
+        if mode == "eagle3":
+            if draft is None:
+                _die(
+                    "VLLM_MODE=eagle3 needs EYRIE_SERVE_DRAFT: the exported draft folder, "
+                    "/data/runs/<run_id>/export/vllm (`eyrie status` lists runs)"
+                )
+            from services.serve.preflight import preflight_eagle3
+
+            preflight_eagle3(recipe, draft, launcher.speculative_config(recipe, mode, draft))
+        hs_dir = _optional_dir("EYRIE_SERVE_HS_DIR") or Path("/data/vllm-hidden-states")
+        port = launcher.mode_port(recipe, mode)
+        args = launcher.vllm_args(recipe, mode, draft, port, hs_dir, host="0.0.0.0")
+    except EyrieError as e:
+        _die(f"VLLM_MODE={mode}: {e}")
+    return [*API_SERVER, *args]
+
+
+def main(argv: list[str]) -> int:
+    cmd = command()
+    if "--print" in argv:
+        print(json.dumps(cmd))
+        return 0
+    mode = os.environ.get("VLLM_MODE", "baseline")
+    # vLLM warns about VLLM_* variables it does not know; VLLM_MODE is Eyrie's.
+    os.environ.pop("VLLM_MODE", None)
+    port = cmd[cmd.index("--port") + 1]
+    PORT_FILE.write_text(port)
+    print(f"vllm-serve: mode {mode} on port {port}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    os.execvp(cmd[0], cmd)
+    return 1  # not reached: execvp replaces the process
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
