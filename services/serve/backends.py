@@ -79,7 +79,7 @@ class ServerHandle:
 
 
 class Backend:
-    """Start/stop vLLM servers. Subclasses implement `_spawn`, `_alive`, `_kill`."""
+    """Start/stop vLLM servers. Subclasses implement `_spawn`, `alive`, `_kill`."""
 
     name = ""
 
@@ -125,7 +125,7 @@ class Backend:
             wait_ready(
                 url,
                 recipe.serve.startup_timeout_s,
-                lambda: self._alive(handle),
+                lambda: self.alive(handle),
                 Path(handle.log_path) if handle.log_path else None,
             )
         except BaseException:
@@ -150,7 +150,8 @@ class Backend:
     def _spawn(self, recipe, mode, log_dir, draft_dir, hs_dir, port, url) -> ServerHandle:
         raise NotImplementedError
 
-    def _alive(self, handle: ServerHandle) -> bool:
+    def alive(self, handle: ServerHandle) -> bool:
+        """Whether the server's process or container is still running."""
         raise NotImplementedError
 
     def _kill(self, handle: ServerHandle) -> None:
@@ -209,8 +210,8 @@ class ProcessBackend(Backend):
             scratch=str(scratch),
         )
 
-    def _alive(self, handle: ServerHandle) -> bool:
-        return pid_alive(handle.pid)
+    def alive(self, handle: ServerHandle) -> bool:
+        return pid_alive(handle.pid) and is_vllm_server(handle.pid)  # type: ignore[arg-type]
 
     def _kill(self, handle: ServerHandle) -> None:
         # A state file may outlive its server; never signal a recycled pid that is not vLLM.
@@ -422,7 +423,7 @@ class DockerBackend(Backend):
             return
         old.remove(force=True)
 
-    def _alive(self, handle: ServerHandle) -> bool:
+    def alive(self, handle: ServerHandle) -> bool:
         import docker
 
         try:
@@ -461,7 +462,10 @@ def stop_recorded(state_dir: Path | None = None) -> list[str]:
     state_dir = Path(state_dir) if state_dir else default_state_dir()
     stopped = []
     for path in sorted(state_dir.glob("*.json")):
-        handle = ServerHandle(**json.loads(path.read_text()))
-        get_backend(handle.backend, state_dir).stop(handle)
-        stopped.append(f"stopped {handle.mode} server at {handle.url} ({handle.backend})")
+        handle = ServerHandle(**{**json.loads(path.read_text()), "state_path": str(path)})
+        backend = get_backend(handle.backend, state_dir)
+        running = backend.alive(handle)
+        backend.stop(handle)
+        what = "stopped" if running else "removed the stale record of"
+        stopped.append(f"{what} {handle.mode} server at {handle.url} ({handle.backend})")
     return stopped

