@@ -28,8 +28,10 @@ from shared.conventions import (
     AUX_ID_CONVENTION,
     FINAL_STATE_CONVENTION,
     NUM_AUX_LAYERS,
+    SGLANG_ID_CONVENTION,
     build_d2t_t2d,
     check_d2t_t2d,
+    sglang_layer_ids,
     validate_aux_layer_ids,
 )
 from shared.errors import ConfigError, ContractMismatchError
@@ -354,8 +356,38 @@ def _check_weights(
     return p
 
 
+def _check_aux_ids(cfg: dict[str, Any], v: dict[str, Any], expect: list[int]) -> list[str]:
+    """The config's aux ids against the ids the draft was trained on (§1).
+
+    A folder whose `eyrie.aux_id_convention` is SGLang's must hold `k-1` for each trained id
+    (and record the trained ids); any other folder must hold the trained ids themselves.
+    """
+    eyrie = cfg.get("eyrie") or {}
+    if eyrie.get("aux_id_convention") == SGLANG_ID_CONVENTION:
+        if eyrie.get("eyrie_aux_layer_ids") != list(expect):
+            return [
+                f"eyrie.eyrie_aux_layer_ids: {eyrie.get('eyrie_aux_layer_ids')} != trained "
+                f"ids {list(expect)}"
+            ]
+        try:
+            want = sglang_layer_ids(expect)
+        except ContractMismatchError as e:
+            return [f"eagle_aux_hidden_state_layer_ids: {e}"]
+    else:
+        want = list(expect)
+    if v["aux_ids"] != want:
+        return [
+            f"eagle_aux_hidden_state_layer_ids: {v['aux_ids']} but the draft was trained "
+            f"on Eyrie ids {list(expect)}; this folder's convention needs {want}"
+        ]
+    return []
+
+
 def lint_draft_dir(
-    path: Path | str, target_config: dict[str, Any], expect_verifier: str | None = None
+    path: Path | str,
+    target_config: dict[str, Any],
+    expect_verifier: str | None = None,
+    expect_aux_ids: list[int] | None = None,
 ) -> list[str]:
     """Check a draft folder against every §3/§6 invariant; return the problems found.
 
@@ -364,6 +396,8 @@ def lint_draft_dir(
         target_config: the target's `config.json` as a dict (vocab_size, hidden_size,
             num_hidden_layers are read).
         expect_verifier: if given, the draft's recorded verifier must equal it.
+        expect_aux_ids: if given, the Eyrie aux ids the draft was trained on; the config must
+            hold them, or `k-1` each in a folder marked with SGLang's convention (§1).
 
     Returns:
         Human-readable problems, each naming the key or weight; empty when the draft is sound.
@@ -378,6 +412,8 @@ def lint_draft_dir(
     problems = _check_config(v, target_config)
     shapes, small = _read_weights_meta(w_path)
     problems += _check_weights(v, shapes, small, target_config)
+    if expect_aux_ids is not None:
+        problems += _check_aux_ids(json.loads(cfg_path.read_text()), v, expect_aux_ids)
     if expect_verifier is not None and v["verifier"] != expect_verifier:
         problems.append(
             f"verifier: draft was trained for {v['verifier']!r}, "

@@ -1,0 +1,107 @@
+"""Training metrics: `train/metrics.jsonl` and the per-run loss/accuracy plot.
+
+Record kinds (one JSON object per line):
+    {"kind": "step", "step", "epoch", "lr", "loss", "loss_<k>", "acc_<k>", "cond_acc_<k>",
+     "tokens", "tokens_per_s", "grad_norm"}
+        loss_<k>: forward KL at TTT step k, unweighted (the optimized loss is
+        sum_k decay**k * loss_<k>); acc_<k>: share of trainable positions whose draft argmax
+        equals the teacher argmax at steps 0..k (the chance k+1 tokens are accepted);
+        cond_acc_<k>: the same given steps 0..k-1 were right.
+    {"kind": "epoch", "epoch", "step", "val_loss", "val_loss_<k>", "val_acc_<k>",
+     "tau", "accept_rate_per_pos", ...}   (`services.train.acceptance.simulated_tau`)
+
+Invariants: a resumed run first truncates the file to the records at or before its
+checkpoint's step (`truncate_after`), so a killed run never leaves duplicated steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shared.store import atomic_write_bytes
+
+
+class MetricsLog:
+    """Append-only JSONL writer (flushed per record)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Keep the records of steps <= `step` (what the resumed checkpoint has seen)."""
+        keep = [r for r in self.read() if r["step"] <= step]
+        atomic_write_bytes(
+            self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode()
+        )
+
+
+def step_metrics(raw: dict[str, float], ttt_steps: int, decay: float) -> dict[str, float]:
+    """Per-TTT-step loss and accuracies from speculators' `Eagle3DraftModel.forward` metrics.
+
+    Args:
+        raw: `{name: value}` from forward's metrics dict (`loss_<k>_sum` is decay**k-weighted,
+            `full_acc_<k>_sum/_total`, `cond_acc_<k>_sum/_total`), already `.item()`-ed.
+        ttt_steps: k.
+        decay: `train.step_loss_decay`.
+    """
+    out: dict[str, float] = {"loss": raw["loss_sum"]}
+    for k in range(ttt_steps):
+        out[f"loss_{k}"] = raw[f"loss_{k}_sum"] / decay**k
+        out[f"acc_{k}"] = _ratio(raw, f"full_acc_{k}")
+        out[f"cond_acc_{k}"] = _ratio(raw, f"cond_acc_{k}")
+    return out
+
+
+def _ratio(raw: dict[str, float], name: str) -> float:
+    total = raw[f"{name}_total"]
+    return raw[f"{name}_sum"] / total if total > 0 else 0.0
+
+
+def plot(records: list[dict[str, Any]], out: Path, ttt_steps: int) -> Path:
+    """Loss and accuracy per TTT step against the step, plus validation τ, as one PNG.
+
+    Returns:
+        `out` (written atomically).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    xs = [r["step"] for r in steps]
+    for k in range(ttt_steps):
+        axes[0].plot(xs, [r[f"loss_{k}"] for r in steps], label=f"loss_{k}")
+        axes[1].plot(xs, [r[f"acc_{k}"] for r in steps], label=f"acc_{k}")
+    for ax, title in zip(
+        axes[:2], ["train KL per TTT step", "train accuracy (chain)"], strict=True
+    ):
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        ax.legend()
+    if epochs:
+        axes[2].plot([r["epoch"] for r in epochs], [r["tau"] for r in epochs], marker="o")
+    axes[2].set_xlabel("epoch")
+    axes[2].set_title("validation: simulated acceptance length")
+    fig.tight_layout()
+    with_png = out.with_suffix(".png")
+    from shared.store import atomic_path
+
+    with atomic_path(with_png) as tmp:
+        fig.savefig(tmp, format="png", dpi=80)
+    plt.close(fig)
+    return with_png

@@ -1,0 +1,93 @@
+"""Packing samples into optimizer steps of at most `train.tokens_per_step` positions.
+
+Responsibility: a deterministic plan of steps per epoch (which samples go into which step),
+and the collation of one step's samples into the `[1, T]` packed batch speculators'
+`Eagle3DraftModel.forward` takes (documents separated by `document_ids`, so attention never
+crosses samples).
+
+Invariants:
+- the plan of epoch e depends only on (seed, e, the sample list, tokens_per_step): a resumed
+  run recomputes it and skips the steps already done, which is what "data position" means in
+  a checkpoint;
+- every sample appears exactly once per epoch; a sample longer than tokens_per_step is
+  truncated to it (counted by `count_truncated`), never dropped;
+- no padding: T is the sum of the step's sample lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from services.train.samples import Sample, SampleRef
+
+if TYPE_CHECKING:
+    import torch
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Seeded shuffle of `range(n)` for one epoch (torch's RNG, independent of global state)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=gen).tolist()
+
+
+def pack(refs: Sequence[SampleRef], order: Sequence[int], tokens_per_step: int) -> list[list[int]]:
+    """Greedy first-fit in `order`: consecutive samples share a step while they fit.
+
+    Args:
+        refs: the samples.
+        order: the visiting order (indices into refs).
+        tokens_per_step: the budget of aligned positions per step.
+
+    Returns:
+        one list of sample indices per step.
+    """
+    steps: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = min(refs[i].positions, tokens_per_step)
+        if cur and used + n > tokens_per_step:
+            steps.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        steps.append(cur)
+    return steps
+
+
+def count_truncated(refs: Sequence[SampleRef], tokens_per_step: int) -> int:
+    """Samples longer than one step's budget (their tail is not trained)."""
+    return sum(r.positions > tokens_per_step for r in refs)
+
+
+def collate(samples: Sequence[Sample], tokens_per_step: int) -> dict[str, torch.Tensor]:
+    """Pack samples into one speculators batch.
+
+    Returns:
+        dict with `hidden_states` `[1, T, 3H]` (stored dtype), `input_ids` int64 `[1, T]`,
+        `verifier_last_hidden_states` `[1, T, H]`, `loss_mask` bool `[1, T]`,
+        `position_ids` int64 `[1, T]`, `document_ids` int64 `[1, T]` (sample index in the
+        step), where T = sum of the (truncated) sample lengths.
+    """
+    import torch
+
+    parts = [s.truncated(tokens_per_step) for s in samples]
+    doc = torch.cat(
+        [torch.full((len(p.input_ids),), i, dtype=torch.long) for i, p in enumerate(parts)]
+    )
+
+    def cat(field: Callable[[Sample], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([field(p) for p in parts]).unsqueeze(0)
+
+    return {
+        "hidden_states": cat(lambda p: p.aux),
+        "input_ids": cat(lambda p: p.input_ids),
+        "verifier_last_hidden_states": cat(lambda p: p.final),
+        "loss_mask": cat(lambda p: p.loss_mask),
+        "position_ids": cat(lambda p: p.position_ids),
+        "document_ids": doc.unsqueeze(0),
+    }

@@ -1,0 +1,100 @@
+"""Where the trainer runs: device, rank and world size, from the recipe and the environment.
+
+Responsibility: one place that reads torchrun's environment (`RANK`, `LOCAL_RANK`,
+`WORLD_SIZE`) and `train.device`, so the loop itself has no CUDA-only call on the CPU path.
+
+Invariants: a single process (no torchrun) is rank 0 of world 1 and never touches
+`torch.distributed`; only rank 0 writes files; under torchrun each rank takes every
+world-th step of the shared plan (equal counts, the remainder dropped) and the model is
+wrapped in DDP. FSDP can replace `wrap` without touching the loop, because the loop only
+calls the wrapped module and reads `trainable_state` from `unwrap`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shared.errors import ConfigError
+from shared.recipe import Recipe
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Device and process placement of one trainer process.
+
+    Attributes:
+        device: torch device string ('cpu', 'cuda:0', ...).
+        rank: global rank (0 in a single process).
+        world_size: number of processes.
+        autocast_dtype: 'bf16' autocast, or None for fp32 compute.
+    """
+
+    device: str
+    rank: int = 0
+    world_size: int = 1
+    autocast_dtype: str | None = None
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard_steps(self, steps: list[Any]) -> list[Any]:
+        """This rank's share of an epoch's steps: every world-th, equal counts per rank."""
+        if self.world_size == 1:
+            return steps
+        per_rank = len(steps) // self.world_size
+        return steps[self.rank :: self.world_size][:per_rank]
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DDP under torchrun; the model itself in a single process."""
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [int(self.device.split(":")[1])] if self.device_type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The draft inside a DDP/FSDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def resolve_runtime(recipe: Recipe) -> Runtime:
+    """Read `train.device`, `train.precision` and torchrun's environment.
+
+    Raises:
+        ConfigError: CUDA requested but unavailable, or an unknown device string.
+    """
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    want = recipe.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device: {want!r} requested but CUDA is not available")
+        device = want if ":" in want else f"cuda:{local}"
+    elif want == "cpu":
+        device = "cpu"
+    else:
+        raise ConfigError(f"train.device: must be 'auto', 'cpu' or 'cuda[:N]' (got {want!r})")
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        torch.distributed.init_process_group(backend=backend)
+    precision = recipe.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.startswith("cuda") else "fp32"
+    return Runtime(device, rank, world, "bf16" if precision == "bf16" else None)
