@@ -74,17 +74,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 WORKER_PRELOAD: dict[str, list[str]] = {"prep": ["services.prep.preload"]}
 
 
-#: Modules a worker imports once before forking work-horses, per queue, so each job's fork
-#: inherits them instead of importing transformers anew (3-10 s per job on 2 busy cores).
-WORKER_PRELOAD: dict[str, list[str]] = {"prep": ["services.prep.preload"]}
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     from shared.queue import connect, make_worker
 
     conn = connect()
-    for mod in dict.fromkeys(m for q in args.queues for m in WORKER_PRELOAD.get(q, [])):
-        importlib.import_module(mod)
     for mod in dict.fromkeys(m for q in args.queues for m in WORKER_PRELOAD.get(q, [])):
         importlib.import_module(mod)
     w = make_worker(
