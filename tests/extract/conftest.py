@@ -12,7 +12,7 @@ from shared.store import RunStore
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def make_recipe(smollm2_path, **extract):
+def make_recipe(smollm2_path, draft_vocab_size=32000, **extract):
     """A SmolLM2 recipe with default layers and the given `extract.*` settings."""
     return resolve_recipe(
         {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -34,7 +35,7 @@ def test_layout_checks_and_resume(smollm2_path, smollm2_model, extractor, store_
     from datasets import load_from_disk
 
     rows = sharegpt_rows[:6]
-    recipe = make_recipe(smollm2_path, tokens_per_batch=400)
+    recipe = make_recipe(smollm2_path, draft_vocab_size=128, tokens_per_batch=400)
     store, sdir = _shard(store_for, recipe, rows)
     m = extract_shard(store, recipe, 0, extractor)
     assert m.counts["rows"] == 6 and m.counts["written"] == 6 and m.counts["quarantined"] == 0
@@ -76,6 +77,23 @@ def test_layout_checks_and_resume(smollm2_path, smollm2_model, extractor, store_
     meta2 = json.loads((sdir / "meta.json").read_text())
     assert meta2["this_run"]["written"] == 0 and meta2["written_rows"] == 6
     assert [hs_path(sdir, r).stat().st_mtime_ns for r in range(6)] == mtimes
+
+    # Teacher-argmax coverage of a 128-token draft vocab, against the model's own logits.
+    from services.train.vocab import run_vocab, teacher_argmax_coverage
+    from shared.conventions import shift_mask_left
+
+    run_vocab(store, recipe, 0)
+    got = teacher_argmax_coverage(store, recipe, smollm2_model)
+    t2d = torch.from_numpy(np.load(store.root / "vocab" / "t2d.npy"))
+    inside = total = 0
+    for r in rows:
+        with torch.inference_mode():
+            top = smollm2_model(torch.tensor([r["input_ids"]])).logits[0].argmax(-1)
+        sel = torch.tensor(shift_mask_left(r["loss_mask"]), dtype=torch.bool)
+        inside, total = inside + int(t2d[top[sel]].sum()), total + int(sel.sum())
+    assert got["positions"] == total
+    assert 0 < got["teacher_argmax_coverage"] < 1
+    assert abs(got["teacher_argmax_coverage"] - inside / total) <= 0.01
 
 
 class OOMAbove:
