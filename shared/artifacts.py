@@ -8,7 +8,12 @@ Run level
     recipe.yaml, recipe.json   resolved recipe (json = canonical, what the run hash covers)
     commands.log               every command that touched the run
     plan.json                  {"num_shards": N, "datasets": [...], "shards": [[[ds, row], ...]]}
-                               which source rows each prep shard reads (services.prep.plan)
+                               which source rows each prep shard reads (services.prep.plan);
+                               also "recipe_hash", and per dataset {"name", "adapter", "rows",
+                               "selected", "load": {"file", "truncated", "error_byte_offset"?,
+                               "bad_lines"?}}
+    plan/rows-N.jsonl          the raw source rows of prep shard N, {"ds", "row", "raw"} per
+                               line (so a prep worker on any host reads only its shard)
     timings.json               wall seconds per stage (conductor)
 
 prep/      (one job per shard, queue prep)
@@ -19,7 +24,8 @@ prep/      (one job per shard, queue prep)
                                           "tool_calls"?: [{"type": "function", "function":
                                               {"name": str, "arguments": str(JSON)}}],
                                           "name"?: str}
-    shard-N.quarantine.jsonl   {"file", "row", "field", "reason", "raw"} per quarantined row
+    shard-N.quarantine.jsonl   {"file", "row", "field", "reason", "detail", "raw"} per
+                               quarantined row (raw cut to 2,000 characters)
     shard-N.report.json        {"rows_in", "kept", "skipped": {reason: n}, "realigned": {...}}
 
 dedup/     (single job)
@@ -41,7 +47,10 @@ tokenize/  (one job per shard, queue prep)
     shard-N/                   HF `datasets` save_to_disk: input_ids list[int32],
                                loss_mask list[int8] (1 = assistant-generated token),
                                seq_len int32, id str, source str
-    shard-N.report.json        truncated, dropped_no_trainable, tokens, assistant_tokens, ...
+    shard-N.report.json        samples, tokens, assistant_tokens, per_source {src: same},
+                               rows_in, kept, truncated, "dropped:<reason>" counts,
+                               eot_appended / prompt_render_mismatch (regen input),
+                               max_len_tokens, chat_template_kwargs, input ("regen"|"prep")
 
 vocab/     (single job)
     token_freq.npy             int64 [target_vocab]: counts over loss-masked tokens
