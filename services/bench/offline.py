@@ -64,5 +64,7 @@ def offline_tau(
     _, val = split_train_val(index.refs, recipe.train.val_fraction, recipe.train.seed)
     read = SampleReader()
     samples = [read(ref) for ref in val[:max_samples]]
-    result = simulated_tau(model, samples, recipe.eval.num_speculative_tokens)
+    # The stored hidden states are bf16 and the fresh draft is fp32: bf16 autocast makes
+    # them meet (fp32 without it fails in fc with a dtype mismatch on CPU).
+    result = simulated_tau(model, samples, recipe.eval.num_speculative_tokens, None, "bf16")
     return {**result, "checkpoint": str(ckpt), "samples": len(samples), "source": "offline"}
