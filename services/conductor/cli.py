@@ -19,7 +19,12 @@ from collections.abc import Callable
 from shared.errors import ConfigError, EyrieError
 
 #: Service modules that add subcommands: each has `register(subparsers)`.
-COMMAND_MODULES: list[str] = ["services.conductor.demo", "services.bench.cli", "services.serve.cli"]
+COMMAND_MODULES: list[str] = [
+    "services.conductor.demo",
+    "services.bench.cli",
+    "services.serve.cli",
+    "services.prep.cli",
+]
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:

@@ -175,3 +175,35 @@ def test_sharegpt_wheel_preset_plan_is_deterministic(data_dir, smollm2_path, tmp
     assert plan == (b.root / "plan.json").read_text()
     info = json.loads(plan)["datasets"][0]
     assert info["rows"] == 17671 and info["selected"] == 10  # real-inputs.md: 17,671
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_parquet_and_arrow_load_through_datasets(tmp_path, suffix):
+    import datasets
+
+    from services.prep.loaders import read_path
+
+    rows = json.loads((SAMPLES / "alpaca_en_demo.json").read_text())[:7]
+    ds = datasets.Dataset.from_list(rows)
+    path = tmp_path / f"alpaca{suffix}"
+    if suffix == ".parquet":
+        ds.to_parquet(str(path))
+    else:
+        ds.save_to_disk(str(tmp_path / "saved"))
+        path = next((tmp_path / "saved").glob("*.arrow"))
+    got, report = read_path(str(path))
+    assert got == rows and report["rows"] == 7
+
+
+def test_prep_stats_command(tmp_path, data_dir, smollm2_path, capsys):
+    from services.conductor.cli import main
+
+    path = tmp_path / "two.jsonl"
+    path.write_text(json.dumps(conv("Hi", "Hello there")) + "\n")
+    recipe = make_recipe(smollm2_path, [{"path": str(path)}])
+    store = RunStore.create(recipe)
+    run_all(store, recipe)
+    assert main(["prep-stats", store.run_id]) == 0
+    out = capsys.readouterr().out
+    # SmolLM2 ChatML with its default system prompt: "Hello there<|im_end|>" is 3 tokens.
+    assert out.startswith("1 samples, ") and "3 assistant tokens" in out

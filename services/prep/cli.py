@@ -1,0 +1,39 @@
+"""`eyrie prep-stats RUN`: samples, tokens and assistant tokens of a run, per dataset.
+
+Imports stay inside the command (the CLI must not import transformers or torch on --help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def cmd_prep_stats(args: argparse.Namespace) -> int:
+    from services.prep.jobs import run_stats
+    from shared.store import RunStore
+
+    stats = run_stats(RunStore(args.run))
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(
+        f"{stats['samples']} samples, {stats['tokens']} tokens, "
+        f"{stats['assistant_tokens']} assistant tokens"
+    )
+    for src, d in sorted(stats["per_source"].items()):
+        print(
+            f"  {src}: {d['samples']} samples, {d['tokens']} tokens, "
+            f"{d['assistant_tokens']} assistant tokens"
+        )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `eyrie prep-stats` to the CLI."""
+    p = sub.add_parser(
+        "prep-stats", help="samples/tokens/assistant tokens of a run's tokenize stage, per dataset"
+    )
+    p.add_argument("run", help="run id")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_prep_stats)
