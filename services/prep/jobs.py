@@ -47,7 +47,10 @@ def _adapt_rows(
     from services.prep.formats import ADAPTERS, RowRejected, normalize
     from services.prep.plan import rows_path
 
-    kept, quarantined, skipped, realigned = [], [], Counter(), Counter()
+    kept: list[str] = []
+    quarantined: list[str] = []
+    skipped: Counter[str] = Counter()
+    realigned: Counter[str] = Counter()
     rows = _read_jsonl(rows_path(store, shard))
     for rec in rows:
         meta = plan["datasets"][rec["ds"]]

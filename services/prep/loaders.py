@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from services.prep.presets import get_preset
-from shared.errors import InputError
+from shared.errors import ConfigError, InputError
 from shared.recipe import DatasetSpec
 
 
@@ -133,6 +133,7 @@ def load_dataset_spec(spec: DatasetSpec) -> Loaded:
                 preset.hub_id, spec.config_name or preset.config_name, spec.split or preset.split
             )
         return Loaded(preset.name, adapter, rows, report)
-    assert spec.path is not None  # guaranteed by DatasetSpec's validator
+    if spec.path is None:
+        raise ConfigError("datasets[]: give exactly one of 'preset' or 'path'")
     rows, report = read_path(spec.path, spec.config_name, spec.split or "train")
     return Loaded(Path(spec.path).stem, spec.format or "auto", rows, report)
