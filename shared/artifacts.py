@@ -34,14 +34,27 @@ dedup/     (single job)
     report.json                {"duplicates": n, "contaminated": n, "kept": n}
 
 regen/     (one job per shard, queue regen, baseline server up)
-    shard-N.jsonl              one line per successfully regenerated conversation:
-                               {"id", "source", "messages": [Message] (assistant turns are
-                                the target's), "turns": [{"prompt_token_ids": [int],
-                                "completion_token_ids": [int], "finish_reason": str}],
-                                "sampling": {...}, "chat_template_kwargs": {...},
-                                "server": {"model": str, "url": str}}
-    shard-N.errors.jsonl       {"id", "reason", "detail"} for rows not regenerated
-    manifest counts: input == success + error + skipped
+    shard-N.jsonl              one line per successfully regenerated conversation, sorted
+                               by "row" (its line in prep/shard-N.jsonl):
+                               {"row", "id", "source", "messages": [Message] (the k-th
+                                assistant message is the target's answer of turns[k]),
+                                "tools", "turns": [{"prompt_token_ids": [int] (as the server
+                                rendered them), "completion_token_ids": [int] (as sampled,
+                                ending with the stop token when finish_reason is "stop"),
+                                "finish_reason": str}], "stopped": "" | why it stopped early,
+                                "sampling": {temperature, top_p, max_tokens},
+                                "chat_template_kwargs": {...}, "server": {"model", "url",
+                                "fingerprint" (vLLM version), "target"}}
+    shard-N.errors.jsonl       {"row", "id", "status": "error"|"skipped", "reason",
+                                "detail"} for rows not regenerated (reasons: server_rejected;
+                                prompt_too_long, no_user_turn, tool_calls)
+    shard-N.partial.jsonl,     append-only resume points of an unfinished shard (removed
+    shard-N.partial-errors.jsonl   when the manifest is written)
+    manifest counts: input == success + error + skipped; turns, prompt_tokens,
+                     completion_tokens, finish_length, "<status>:<reason>", "stopped:<reason>"
+
+serve/     (launcher, services.serve)
+    <mode>.log                 vLLM server log of each mode started for this run
 
 tokenize/  (one job per shard, queue prep)
     shard-N/                   HF `datasets` save_to_disk: input_ids list[int32],

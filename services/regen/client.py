@@ -11,7 +11,8 @@ Failure policy:
   retries are spent the server is treated as down (`ServiceUnavailableError`): the job
   fails and a rerun resumes, rather than marking good rows as errors;
 - 4xx (e.g. a prompt longer than max-model-len) is the server rejecting this row:
-  `RejectedError`, which the job counts and moves on.
+  `RejectedError`, which the job counts and moves on; except 404 (wrong model name or
+  route), which would fail every row alike and so stops the job.
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ class ChatClient:
         """Send one chat request; retry transient failures.
 
         Raises:
-            RejectedError: 4xx (a bad row, e.g. too long for max-model-len).
-            ServiceUnavailableError: still failing after `max_retries` retries.
+            RejectedError: 4xx other than 404 (a bad row, e.g. too long for max-model-len).
+            ServiceUnavailableError: still failing after `max_retries` retries, or 404.
         """
         body = self.payload(messages, tools)
         last = ""
@@ -154,6 +155,12 @@ class ChatClient:
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 continue
+            if resp.status_code == 404:
+                # Wrong model name or route: every row would fail the same way.
+                raise ServiceUnavailableError(
+                    f"{self.url}: 404 for model {self.model!r}: {resp.text[:300]}. Check "
+                    "serve.served_model_name and that the baseline server serves the target."
+                )
             if resp.status_code >= 400:
                 raise RejectedError(resp.status_code, resp.text[:500])
             return parse_response(resp.json())

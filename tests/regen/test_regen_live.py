@@ -130,6 +130,18 @@ def test_server_rejection_is_counted(vllm_baseline, tmp_path):
     assert "maximum context length" in err["detail"] or "2048" in err["detail"]
 
 
+def test_wrong_model_name_stops_the_job(vllm_baseline, tmp_path):
+    """A 404 would fail every row alike: the job stops instead of counting 2 row errors."""
+    d = vllm_baseline.recipe_dict()
+    d["serve"]["served_model_name"] = "not-served"
+    recipe = resolve_recipe(d)
+    store = store_with_prep(recipe, tmp_path / "data", sharegpt_rows(2, skip=20))
+    with pytest.raises(ServiceUnavailableError, match="404 for model 'not-served'"):
+        run_regen(store, recipe, 0)
+    assert not store.is_done("regen", 0)
+    assert not store.shard_path("regen", 0, PARTIAL_ERRORS_SUFFIX).read_text()
+
+
 def test_kill_server_mid_shard_then_resume(vllm_baseline, tmp_path):
     recipe = _recipe(
         vllm_baseline, max_tokens=32, max_turns=1, concurrency=2, max_prompt_tokens=400
