@@ -13,6 +13,7 @@ for the pipeline's own eval stage. Heavy imports stay inside the functions.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from shared.errors import ConfigError
@@ -90,6 +91,7 @@ def _live(args: argparse.Namespace, recipe_file: str) -> int:
 
     recipe = resolve_recipe(recipe_file, args.override)
     store = RunStore.create(recipe, command=" ".join(sys.argv))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     urls = {
         "baseline": args.baseline_url or base_url(recipe, "baseline"),
         "eagle3": args.eagle3_url or base_url(recipe, "eagle3"),
