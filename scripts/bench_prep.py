@@ -157,7 +157,8 @@ def plain_map_ratio(store: RunStore, recipe, n_shards: int) -> dict:
     keep = json.loads((store.root / "dedup" / "keep.json").read_text())
     rows = []
     for s in range(n_shards):
-        lines = store.shard_path("prep", s, ".jsonl").read_text().splitlines()
+        # split on "\n" only: str.splitlines would also split on U+2028 inside JSON strings
+        lines = store.shard_path("prep", s, ".jsonl").read_text(encoding="utf-8").split("\n")
         rows += [json.loads(lines[i]) for i in keep[str(s)]]
     tok = load_tokenizer(recipe.target.path)
     max_len = recipe.prep.max_len_tokens

@@ -247,7 +247,16 @@ def mask_spans(
         end = full.find(end_text, start)
         if end < 0:
             raise RowRejected("no_end_of_turn", f"messages[{i}]", f"{end_text!r} not found")
-        spans.append((start, end + len(end_text)))
+        end += len(end_text)
+        # Where the template renders the turn the same with or without later turns, the turn
+        # must end inside that render: a turn closed by another token (Llama-3.1's
+        # <|eom_id|> after a tool call) would otherwise swallow the next turns.
+        upto = render_text(tok, messages[: i + 1], chat_template_kwargs, False, tools)
+        if full.startswith(upto) and end > len(upto):
+            raise RowRejected(
+                "no_end_of_turn", f"messages[{i}]", f"{end_text!r} does not close this turn"
+            )
+        spans.append((start, end))
     return full, spans
 
 

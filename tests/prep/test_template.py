@@ -181,3 +181,29 @@ def test_quirk_registry():
     with pytest.raises(ConfigError, match="known: empty-think-block"):
         get_quirk("nope")
     assert len(QUIRKS) == 1
+
+
+def test_turn_closed_by_another_token_is_rejected_not_swallowed(toks):
+    """A template that closes a tool-call turn with a different token (as Llama-3.1 does with
+    <|eom_id|>) must not let the mask run on into the next turns."""
+    tok = toks["smollm2"]
+    original = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{% if m['role'] == 'assistant' and m['content'].startswith('CALL') %}{{ '<|endoftext|>' }}"
+        "{% else %}{{ '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    try:
+        conv = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "CALL f()"},
+            {"role": "user", "content": "r"},
+            {"role": "assistant", "content": "done"},
+        ]
+        with pytest.raises(RowRejected) as e:
+            # distinct kwargs: turn_end() caches per (tokenizer, kwargs)
+            assistant_mask(tok, conv, {"probe": 1})
+        assert e.value.reason == "no_end_of_turn" and e.value.field == "messages[1]"
+    finally:
+        tok.chat_template = original
