@@ -96,6 +96,7 @@ class ChatClient:
         max_retries: retries on connection errors, timeouts and 5xx.
         backoff_s: first backoff in seconds; doubles per retry, with jitter, capped at 30 s.
         concurrency: connection pool size (the caller bounds in-flight requests).
+        headers: extra HTTP headers (the API key, `launcher.auth_headers()`).
     """
 
     def __init__(
@@ -108,13 +109,16 @@ class ChatClient:
         max_retries: int,
         backoff_s: float = 1.0,
         concurrency: int = 16,
+        headers: dict[str, str] | None = None,
     ):
         self.url = f"{base_url}/v1/chat/completions"
         self.model, self.sampling = model, dict(sampling)
         self.kwargs = dict(chat_template_kwargs)
         self.max_retries, self.backoff_s = max_retries, backoff_s
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers or {}
+        )
 
     def payload(
         self, messages: list[dict[str, Any]], tools: list[dict] | None = None

@@ -125,7 +125,7 @@ def error_record(idx: int, row: dict, out: Outcome) -> dict:
 
 def make_client(recipe: Recipe) -> ChatClient:
     """The chat client of the run's baseline server, with the recipe's sampling params."""
-    from services.serve.launcher import base_url, served_model_name
+    from services.serve.launcher import auth_headers, base_url, served_model_name
 
     r = recipe.regen
     return ChatClient(
@@ -136,6 +136,7 @@ def make_client(recipe: Recipe) -> ChatClient:
         r.request_timeout_s,
         r.max_retries,
         concurrency=r.concurrency,
+        headers=auth_headers(),
     )
 
 

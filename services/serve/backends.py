@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,9 @@ class Backend:
             raise
         log.info("%s server ready at %s", mode, url)
         return handle
+
+    def prepare(self) -> None:
+        """Free what this backend itself holds before the GPU-free check (default: nothing)."""
 
     def stop(self, handle: ServerHandle) -> None:
         """Stop the server (idempotent) and remove its state file."""
@@ -279,7 +282,6 @@ COMPOSE_PROJECT_LABEL = "com.docker.compose.project"
 #: The entrypoint is set explicitly so both backends run the same module with the same args
 #: (the image's own entrypoint has changed across releases).
 DOCKER_ENTRYPOINT = ["python3", "-m", API_SERVER_MODULE]
-DOCKER_ALIASES = {"baseline": "vllm", "extract": "vllm", "eagle3": "vllm-eagle3"}
 
 
 @dataclass
@@ -291,6 +293,7 @@ class ComposeTemplate:
         volumes: docker-py `volumes` dict (host path or volume name → bind spec).
         environment: its env list (`KEY=VALUE`), minus image defaults we override.
         network: the compose network, so other services keep reaching `vllm`.
+        port_bindings: its `HostConfig.PortBindings` (`"8000/tcp"` → [{HostIp, HostPort}]).
     """
 
     name: str
@@ -298,6 +301,7 @@ class ComposeTemplate:
     volumes: dict[str, dict[str, str]]
     environment: list[str]
     network: str | None
+    port_bindings: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
 
 def compose_template(attrs: dict[str, Any]) -> ComposeTemplate:
@@ -314,7 +318,18 @@ def compose_template(attrs: dict[str, Any]) -> ComposeTemplate:
         volumes=volumes,
         environment=list(attrs.get("Config", {}).get("Env") or []),
         network=networks[0] if networks else None,
+        port_bindings=dict((attrs.get("HostConfig") or {}).get("PortBindings") or {}),
     )
+
+
+def host_binding(tpl: ComposeTemplate, port: int) -> tuple[str, int]:
+    """(host IP, host port) publishing container `port`, as the compose container did.
+
+    Without such a binding: loopback, never every interface by default.
+    """
+    for b in tpl.port_bindings.get(f"{port}/tcp") or []:
+        return b.get("HostIp") or "127.0.0.1", int(b.get("HostPort") or port)
+    return "127.0.0.1", port
 
 
 def container_spec(
@@ -323,7 +338,8 @@ def container_spec(
     """The docker-py `containers.run` kwargs for `mode`'s server.
 
     The official image, all GPUs, the compose container's volumes, env and network, the
-    mode's port published on the same host port, host IPC (vLLM's shared-memory workers).
+    mode's port published as the compose container published it, host IPC (vLLM's
+    shared-memory workers).
     """
     from docker.types import DeviceRequest
 
@@ -339,13 +355,13 @@ def container_spec(
         "device_requests": [DeviceRequest(count=-1, capabilities=[["gpu"]])],
         "volumes": tpl.volumes,
         "environment": env,
-        "ports": {f"{port}/tcp": port},
+        "ports": {f"{port}/tcp": host_binding(tpl, port)},
         "ipc_mode": "host",
         "labels": {"eyrie.managed": "true", "eyrie.mode": mode, COMPOSE_PROJECT_LABEL: tpl.project},
     }
     if tpl.network:
         spec["network"] = tpl.network
-        spec["networking_config"] = {tpl.network: {"Aliases": [DOCKER_ALIASES[mode]]}}
+        spec["networking_config"] = {tpl.network: {"Aliases": [launcher.DOCKER_HOSTS[mode]]}}
     return spec
 
 
@@ -391,12 +407,20 @@ class DockerBackend(Backend):
             )
         return found[0]
 
+    def prepare(self) -> None:
+        """Stop the compose-made `vllm` container: it holds the GPUs while it runs."""
+        self._stop_compose(self.find_compose_vllm())
+
+    @staticmethod
+    def _stop_compose(base: Any) -> None:
+        if base.status == "running":
+            log.info("stopping compose container %s", base.attrs.get("Name", base.id))
+            base.stop(timeout=int(STOP_GRACE_S))
+
     def _spawn(self, recipe, mode, log_dir, draft_dir, hs_dir, port, url) -> ServerHandle:
         base = self.find_compose_vllm()
         tpl = compose_template(base.attrs)
-        if base.status == "running":
-            log.info("stopping compose container %s", tpl.name)
-            base.stop(timeout=int(STOP_GRACE_S))
+        self._stop_compose(base)
         spec = container_spec(recipe, mode, tpl, draft_dir, hs_dir)
         self._remove_stale(spec["name"])
         networking = spec.pop("networking_config", None)

@@ -63,6 +63,7 @@ def serve_foreground(args: argparse.Namespace) -> int:
     store = RunStore(recipe.run_id())
     draft = Path(args.draft) if args.draft else draft_dir_of(store)
     backend = get_backend(recipe.serve.backend)
+    backend.prepare()
     check_gpus_free()
     handle = backend.start(
         recipe,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,34 @@ def mode_port(recipe: Recipe, mode: str) -> int:
     return recipe.serve.eagle3_port if check_mode(mode) == "eagle3" else recipe.serve.port
 
 
+#: Compose-network aliases the docker backend gives each mode's container: clients on that
+#: network (workers, conductor) reach the server by these names. `vllm` is the compose
+#: service's own name, so a hand-started `--profile serve` server answers at the same URL.
+DOCKER_HOSTS = {"baseline": "vllm", "extract": "vllm", "eagle3": "vllm-eagle3"}
+
+
 def base_url(recipe: Recipe, mode: str) -> str:
-    """Where clients reach `mode`'s server, e.g. `http://127.0.0.1:8000` (no `/v1`)."""
+    """Where clients reach `mode`'s server, e.g. `http://127.0.0.1:8000` (no `/v1`).
+
+    process backend: `serve.host` (a wildcard bind is reached through loopback); docker
+    backend: the mode's compose-network alias (`DOCKER_HOSTS`).
+    """
     host = recipe.serve.host
-    if host in ("0.0.0.0", "::", ""):  # a wildcard bind is reached through loopback
+    if recipe.serve.backend == "docker":
+        host = DOCKER_HOSTS[check_mode(mode)]
+    elif host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     return f"http://{host}:{mode_port(recipe, mode)}"
+
+
+def auth_headers() -> dict[str, str]:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set, else {}.
+
+    vLLM reads the same variable (vllm/envs.py) and then refuses /v1 requests without it;
+    the compose deployment sets it for the server and every Eyrie container.
+    """
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def target_num_layers(recipe: Recipe) -> int:
@@ -213,8 +236,9 @@ def draft_dir_of(store: RunStore) -> Path:
 def serving(recipe: Recipe, store: RunStore, modes: list[str]) -> Iterator[dict[str, str]]:
     """Start the servers of `modes`, wait until each is ready, yield, then stop them all.
 
-    Runs the GPU-free check first (`services.serve.gpu`), and the eagle3 preflight before
-    an eagle3 start. Logs go to `<run>/serve/<mode>.log`.
+    Runs the GPU-free check first (`services.serve.gpu`, after the docker backend stopped
+    the compose `vllm` container), and the eagle3 preflight before an eagle3 start. Logs go
+    to `<run>/serve/<mode>.log`.
 
     Yields:
         mode → base URL.
@@ -227,6 +251,7 @@ def serving(recipe: Recipe, store: RunStore, modes: list[str]) -> Iterator[dict[
     from services.serve.gpu import check_gpus_free
 
     backend = get_backend(recipe.serve.backend)
+    backend.prepare()  # docker: the compose vllm container would fail the GPU-free check
     check_gpus_free()
     started = []
     try:

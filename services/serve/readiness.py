@@ -53,8 +53,10 @@ def wait_ready(
         ServiceUnavailableError: the server exited, or was not ready in time; the message
             has the URL, the wait and the log tail.
     """
+    from services.serve.launcher import auth_headers
+
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0) as client:
+    with httpx.Client(timeout=5.0, headers=auth_headers()) as client:
         while True:
             if not alive():
                 raise ServiceUnavailableError(

@@ -17,6 +17,7 @@ from services.serve.backends import (
     compose_template,
     container_spec,
 )
+from services.serve.launcher import base_url
 from shared.recipe import resolve_recipe
 
 INSPECT = {
@@ -40,6 +41,12 @@ INSPECT = {
         },
         {"Type": "bind", "Source": "/srv/eyrie", "Destination": "/data", "Mode": ""},
     ],
+    "HostConfig": {
+        "PortBindings": {
+            "8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": "8000"}],
+            "8001/tcp": [{"HostIp": "10.0.0.5", "HostPort": "18001"}],
+        }
+    },
     "NetworkSettings": {"Networks": {"eyrie_default": {}}},
 }
 
@@ -65,6 +72,11 @@ def recipe(tmp_path):
     )
 
 
+def test_clients_reach_docker_servers_by_compose_alias(recipe):
+    assert base_url(recipe, "baseline") == "http://vllm:8000"
+    assert base_url(recipe, "eagle3") == "http://vllm-eagle3:8001"
+
+
 def test_template_keeps_volumes_env_network():
     tpl = compose_template(INSPECT)
     assert tpl.name == "eyrie-vllm-1" and tpl.project == "eyrie"
@@ -87,7 +99,7 @@ def test_baseline_container_spec(recipe):
     (dev,) = spec["device_requests"]
     assert dev["Count"] == -1 and dev["Capabilities"] == [["gpu"]]
     assert spec["volumes"]["/srv/eyrie"] == {"bind": "/data", "mode": "rw"}
-    assert spec["ports"] == {"8000/tcp": 8000}
+    assert spec["ports"] == {"8000/tcp": ("127.0.0.1", 8000)}
     assert "HF_TOKEN=hf_x" in spec["environment"]
     assert "HF_HUB_OFFLINE=1" in spec["environment"]
     assert "HF_HUB_OFFLINE=0" not in spec["environment"]
@@ -108,7 +120,7 @@ def test_eagle3_container_spec(recipe):
         "model": "/data/runs/r/export/vllm",
         "num_speculative_tokens": 5,
     }
-    assert spec["ports"] == {"8001/tcp": 8001}
+    assert spec["ports"] == {"8001/tcp": ("10.0.0.5", 18001)}  # as compose published it
     assert spec["networking_config"] == {"eyrie_default": {"Aliases": ["vllm-eagle3"]}}
 
 
@@ -169,3 +181,9 @@ def test_spawn_stops_compose_container_then_runs_image(recipe, tmp_path):
     assert run["image"] == "vllm/vllm-openai:v0.33.1" and "networking_config" not in run
     assert client.net.calls == [("disconnect", "new1"), ("connect", "new1", ["vllm"])]
     assert handle.container == "new1" and handle.backend == "docker"
+
+
+def test_prepare_stops_the_compose_container_before_the_gpu_check(tmp_path):
+    client = _Client()
+    DockerBackend(tmp_path / "state", client=client).prepare()
+    assert client.base.calls == [("stop", 30)]

@@ -9,7 +9,13 @@ import json
 
 import pytest
 
-from services.serve.launcher import base_url, modes_for_stage, speculative_config, vllm_args
+from services.serve.launcher import (
+    auth_headers,
+    base_url,
+    modes_for_stage,
+    speculative_config,
+    vllm_args,
+)
 from shared.errors import ConfigError
 from shared.recipe import resolve_recipe
 
@@ -103,3 +109,10 @@ def test_modes_for_stage(recipe):
     )
     assert modes_for_stage("regen", off, [0]) == []
     assert modes_for_stage("extract", off, [0]) == ["extract"]
+
+
+def test_api_key_header(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert auth_headers() == {}
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    assert auth_headers() == {"Authorization": "Bearer s3cret"}
