@@ -105,6 +105,22 @@ def start_workers(n: int, data: Path, url: str, conn) -> tuple[list[subprocess.P
     return procs, time.monotonic() - t0
 
 
+def worker_cpu_s(procs: list[subprocess.Popen]) -> float:
+    """CPU seconds used so far by the workers and their finished work-horses."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        t = psutil.Process(p.pid).cpu_times()
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def wall(r: dict) -> float:
+    """Wall seconds of prep + dedup + tokenize in one run."""
+    return r["prep_s"] + r["dedup_s"] + r["tokenize_s"]
+
+
 def run_stage(store: RunStore, conn, stage: str, shards: list[int]) -> float:
     t0 = time.monotonic()
     for s in shards:
@@ -123,9 +139,11 @@ def one_run(recipe, n_workers: int, root: Path, url: str) -> dict:
     n = make_plan(store, recipe)
     procs, startup = start_workers(n_workers, root, url, conn)
     try:
+        cpu0 = worker_cpu_s(procs)
         t_prep = run_stage(store, conn, "prep", list(range(n)))
         t_dedup = run_stage(store, conn, "dedup", [0])
         t_tok = run_stage(store, conn, "tokenize", list(range(n)))
+        cpu = worker_cpu_s(procs) - cpu0
     finally:
         for p in procs:
             p.terminate()
@@ -145,6 +163,8 @@ def one_run(recipe, n_workers: int, root: Path, url: str) -> dict:
         "samples": samples,
         "tokens": toks,
         "store": store,
+        "cpu_s": cpu,
+        "load": os.getloadavg()[0],
     }
 
 
@@ -227,14 +247,15 @@ def main() -> int:
             f"{r['rows_in'] / r['prep_s'] / n:.0f} rows/s/worker | dedup {r['dedup_s']:.1f}s | "
             f"tokenize {r['tokenize_s']:.1f}s {r['samples'] / r['tokenize_s'] / n:.0f} rows/s/"
             f"worker {r['tokens'] / r['tokenize_s'] / n:.0f} tokens/s/worker "
-            f"({r['samples']} samples, {r['tokens']} tokens)"
+            f"({r['samples']} samples, {r['tokens']} tokens) | worker CPU {r['cpu_s']:.1f}s "
+            f"in {wall(r):.1f}s wall = {r['cpu_s'] / wall(r):.2f} cores (load {r['load']:.1f})"
         )
     one, two = runs
-    total = lambda r: r["prep_s"] + r["dedup_s"] + r["tokenize_s"]  # noqa: E731
     print(
         f"speed-up 2 vs 1 workers: prep {one['prep_s'] / two['prep_s']:.2f}x, tokenize "
         f"{one['tokenize_s'] / two['tokenize_s']:.2f}x, prep+dedup+tokenize "
-        f"{total(one) / total(two):.2f}x (goal >= 1.7x)"
+        f"{wall(one) / wall(two):.2f}x (goal >= 1.7x); CPU seconds 2 vs 1 workers "
+        f"{two['cpu_s'] / one['cpu_s']:.2f}x (1.00 = no parallel overhead)"
     )
     print(
         f"tokenize vs plain datasets.map(apply_chat_template): {cmp['rows']} rows, ours "
