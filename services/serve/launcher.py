@@ -252,8 +252,8 @@ def serving(recipe: Recipe, store: RunStore, modes: list[str]) -> Iterator[dict[
     from services.serve.preflight import preflight_eagle3
 
     if "eagle3" in modes:  # refuse before any server starts, not after the baseline's
-        draft = draft_dir_of(store)
-        preflight_eagle3(recipe, draft, speculative_config(recipe, "eagle3", draft))
+        spec = speculative_config(recipe, "eagle3", draft_dir_of(store)) or {}
+        preflight_eagle3(recipe, draft_dir_of(store), spec)
     backend = get_backend(recipe.serve.backend)
     backend.prepare()  # docker: the compose vllm container would fail the GPU-free check
     check_gpus_free()

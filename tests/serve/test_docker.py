@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from services.serve.backends import (
+from services.serve.docker_backend import (
     COMPOSE_SERVICE_LABEL,
     DockerBackend,
     compose_template,
