@@ -32,7 +32,8 @@ class RequestResult:
 
     Attributes:
         output_tokens: completion tokens (server usage count).
-        ttft_s: seconds from send to the first content chunk.
+        ttft_s: seconds from send to the first choice chunk (vLLM sends it with the first
+            token's output).
         latency_s: seconds from send to the end of the stream.
         chunk_gaps_s: seconds between successive content chunks (ITL samples).
         text: the generated text.
@@ -143,7 +144,7 @@ class RequestSpec:
 
 
 async def stream_one(client: Any, url: str, body: dict[str, Any]) -> RequestResult:
-    """Send one streaming chat request; time the first and every later content chunk."""
+    """Send one streaming chat request; time the first chunk and every later content chunk."""
     import httpx
 
     res = RequestResult()
@@ -162,15 +163,20 @@ async def stream_one(client: Any, url: str, body: dict[str, Any]) -> RequestResu
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     res.output_tokens = int(chunk["usage"]["completion_tokens"])
-                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
-                if delta.get("content"):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft_s = now - t0
-                    else:
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                now = time.perf_counter()
+                if res.ttft_s is None:
+                    # vLLM sends its first choice chunk (the role) with the first token's
+                    # output, so this also times tokens that decode to no text.
+                    res.ttft_s = now - t0
+                content = (choices[0].get("delta") or {}).get("content")
+                if content:
+                    if last is not None:
                         res.chunk_gaps_s.append(now - last)
                     last = now
-                    parts.append(delta["content"])
+                    parts.append(content)
     except httpx.HTTPError as e:
         res.error = type(e).__name__
     res.latency_s = time.perf_counter() - t0

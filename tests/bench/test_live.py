@@ -67,6 +67,8 @@ def test_zero_head_pair_accepts_every_draft_token_twice(zero_server):
             assert c["per_position_rate"] == [1.0] * K
             # zero logits: the target emits token 0 until max_tokens, never stopping early
             assert w["client"]["output_tokens"] == recipe.eval.num_prompts * 24
+            # token 0 decodes to no text, yet the first token is still timed
+            assert w["client"]["ttft_s_mean"] > 0
 
 
 def test_random_draft_tau_is_one_and_flagged_via_cli(

@@ -151,3 +151,8 @@ def test_cli_compare_prints_both_runs(tmp_path, capsys):
 def test_cli_compare_unknown_run_exits_1(tmp_path, data_dir, capsys):
     assert main(["bench", "--compare", "nope-1", "nope-2"]) == 1
     assert "no report.json" in capsys.readouterr().err
+
+
+def test_cli_bench_needs_a_recipe(capsys):
+    assert main(["bench"]) == 2
+    assert "give one RECIPE" in capsys.readouterr().err
