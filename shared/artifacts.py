@@ -81,18 +81,31 @@ extract/   (one job per shard, queue extract; speculators offline layout per sha
                                 "pre_norm", "target", "target_revision", "hidden_size",
                                 "dtype", "quarantined": [...]}
 
-train/     (single job, queue train)
-    checkpoints/epoch-<E>/     trainable draft weights only (no frozen embeddings/lm_head of
-                               the verifier) + training_state.pt (optimizer, scheduler, step,
-                               epoch, data position, RNG)
-    metrics.jsonl              per step and per epoch records
-    best.json                  which epoch is best by validation
+train/     (single job, queue train; services/train/checkpoints.py, metrics.py)
+    checkpoints/epoch-<EEEE>/  after epoch E (1-based, 4 digits): draft.safetensors (trainable
+                               weights only, fp32, speculators names: fc, layers.0.*, norm; no
+                               target embeddings, no lm_head rows copied from the target, no
+                               verifier norm) + training_state.pt (optimizer, scheduler, RNG
+                               states, counters) + state.json {step, epoch, step_in_epoch,
+                               best, validations}; last train.keep_last kept plus the best
+    checkpoints/step-latest/   same files, rolling every train.step_checkpoint_every steps;
+                               removed once an epoch checkpoint covers it
+    metrics.jsonl              {"kind": "step", step, epoch, lr, loss, loss_<k>, acc_<k>,
+                                cond_acc_<k>, tokens, tokens_per_s, grad_norm} and
+                               {"kind": "epoch", epoch, step, val_loss, val_loss_<k>,
+                                val_acc_<k>, tau, accept_rate_per_pos, anchors, ...}
+    metrics.png                loss/accuracy per TTT step, validation simulated tau
+    best.json                  {"best": {epoch, tau, val_loss}, "validations": [...]}
 
-export/    (single job, queue train)
+export/    (single job, queue train; services/train/export.py)
     vllm/                      llama-style folder (config.json + model.safetensors with d2t, t2d)
-    speculators/               speculators save_pretrained folder
-    sglang/                    llama-style weights, aux ids written as k-1
-    lint.json                  per-folder invariant checks
+    speculators/               speculators save_pretrained folder (bf16), norm flags and
+                               target_hidden_size written explicitly
+    sglang/                    llama-style weights, aux ids written as k-1; config "eyrie"
+                               records aux_id_convention and eyrie_aux_layer_ids (absent, and
+                               the reason in export.json, when the first aux id is not 2)
+    lint.json                  {folder: {"ok", "problems"}} (draft_format.lint_draft_dir)
+    export.json                {"checkpoint", "written", "skipped": {folder: reason}}
 
 eval/      (shard 0 = baseline server, shard 1 = eagle3 server, queue eval)
     shard-N.json               {"mode", "url", "model", "num_prompts", "max_tokens",
