@@ -79,7 +79,8 @@ def resolve_device(device: str) -> str:
 def load_target(spec: LoadSpec) -> Any:
     """Load (once per process) the target as a transformers causal LM, in eval mode.
 
-    The extractor is a non-forking rq worker, so the cache keeps the model across jobs.
+    The extractor is a non-forking rq worker, so the cache keeps the model across jobs. It
+    holds one target: asking for another spec drops the cached one first.
 
     Returns:
         the `PreTrainedModel` (not the bare decoder: `final_norm` and `lm_head` live on it).
@@ -92,9 +93,23 @@ def load_target(spec: LoadSpec) -> Any:
     with _CACHE_LOCK:
         if spec in _CACHE:
             return _CACHE[spec]
+        # One target per process: a worker that moves on to another run's target frees the
+        # old one first instead of holding two models in (GPU) memory.
+        _CACHE.clear()
+        _free_accelerator_memory()
         model = _load_uncached(spec)
         _CACHE[spec] = model
         return model
+
+
+def _free_accelerator_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _load_uncached(spec: LoadSpec) -> Any:

