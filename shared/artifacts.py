@@ -70,6 +70,12 @@ vocab/     (single job)
     d2t.npy                    int64 [draft_vocab]: offsets, target = draft + d2t[draft]
     t2d.npy                    bool  [target_vocab]
     coverage.json              coverage share, top left-out tokens, sizes
+                               {"coverage", "target_vocab", "draft_vocab", "assistant_tokens",
+                                "distinct_seen", "left_out_tokens", "left_out_distinct",
+                                "top_left_out": [{"id", "text", "count", "share"}]}
+    token_freq.pt              speculators' format: torch.save({target_id: count}) (ids seen)
+    teacher_coverage.json      after extract (services.train.vocab.teacher_argmax_coverage):
+                               {"teacher_argmax_coverage", "positions", "in_draft_vocab"}
 
 extract/   (one job per shard, queue extract; speculators offline layout per shard)
     shard-N/data/              HF save_to_disk: input_ids, loss_mask, seq_len (same rows as
@@ -80,6 +86,13 @@ extract/   (one job per shard, queue extract; speculators offline layout per sha
     shard-N/meta.json          {"aux_layer_ids", "aux_id_convention", "final_state":
                                 "pre_norm", "target", "target_revision", "hidden_size",
                                 "dtype", "quarantined": [...]}
+                               also "pre_norm": true, "slots", "backend", "num_hidden_layers",
+                               "rows", "written_rows", "this_run" (tokens, bytes, batches,
+                               oom_retries, start/final token budget);
+                               quarantined = [{"row", "id", "reason"}]: such a row keeps its
+                               data/ row but has no hs file (speculators: on_missing=skip)
+    vllm-hidden-states/        scratch of the vllm backend's server (connector files, deleted
+                               by the client once read)
 
 train/     (single job, queue train; services/train/checkpoints.py, metrics.py)
     checkpoints/epoch-<EEEE>/  after epoch E (1-based, 4 digits): draft.safetensors (trainable
