@@ -17,20 +17,32 @@ from tests.extract.data import write_tokenized_shard
 pytestmark = pytest.mark.slow
 
 
-def test_worker_loads_model_once_and_reports_progress(redis_url, smollm2_path, store_for,
-                                                      sharegpt_rows, monkeypatch):
+def test_worker_loads_model_once_and_reports_progress(
+    redis_url, smollm2_path, store_for, sharegpt_rows, monkeypatch
+):
     recipe = make_recipe(smollm2_path, tokens_per_batch=512)
     store = store_for(recipe)
-    write_tokenized_shard(store, 0, [dict(r, input_ids=r["input_ids"][:40],
-                                          loss_mask=r["loss_mask"][:40], seq_len=40)
-                                     for r in sharegpt_rows[:3]])
-    write_tokenized_shard(store, 1, [dict(r, input_ids=r["input_ids"][:30],
-                                          loss_mask=r["loss_mask"][:30], seq_len=30)
-                                     for r in sharegpt_rows[3:5]])
+    write_tokenized_shard(
+        store,
+        0,
+        [
+            dict(r, input_ids=r["input_ids"][:40], loss_mask=r["loss_mask"][:40], seq_len=40)
+            for r in sharegpt_rows[:3]
+        ],
+    )
+    write_tokenized_shard(
+        store,
+        1,
+        [
+            dict(r, input_ids=r["input_ids"][:30], loss_mask=r["loss_mask"][:30], seq_len=30)
+            for r in sharegpt_rows[3:5]
+        ],
+    )
     loads = []
     real_load = hf_backend._load_uncached
-    monkeypatch.setattr(hf_backend, "_load_uncached", lambda spec: loads.append(spec)
-                        or real_load(spec))
+    monkeypatch.setattr(
+        hf_backend, "_load_uncached", lambda spec: loads.append(spec) or real_load(spec)
+    )
     hf_backend._CACHE.clear()  # start like a fresh worker process
 
     conn = connect(redis_url)
