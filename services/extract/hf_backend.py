@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPES = {"bfloat16", "float16", "float32"}
-_CACHE: dict[tuple, Any] = {}
+_CACHE: dict[LoadSpec, Any] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -131,7 +131,7 @@ def _load_uncached(spec: LoadSpec) -> Any:
             "(scripts/convert_smollm2.py makes the demo target) or target.trust_remote_code."
         ) from e
     if not spec.device_map:
-        model.to(resolve_device(spec.device))
+        model.to(resolve_device(spec.device))  # type: ignore[arg-type]  # transformers stub
     model.eval()
     model.requires_grad_(False)
     return model

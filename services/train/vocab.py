@@ -168,7 +168,7 @@ def run_vocab(store: RunStore, recipe: Recipe, shard: int) -> Manifest:
     target_vocab = int(target_config(recipe)["vocab_size"])
     draft_vocab = recipe.draft.draft_vocab_size
     freq = count_tokens(store, target_vocab)
-    d2t, t2d = build_d2t_t2d(select_draft_vocab(freq, draft_vocab), target_vocab)
+    d2t, t2d = build_d2t_t2d(select_draft_vocab(freq, draft_vocab).tolist(), target_vocab)
     check_d2t_t2d(d2t, t2d, draft_vocab)
     report = coverage_report(freq, t2d, load_tokenizer(recipe))
     log.info(
