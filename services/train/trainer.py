@@ -182,13 +182,14 @@ class Trainer:
         remaining = self.total_steps - self.state.step
         with Progress(max(remaining, 0), "steps", "train") as bar:
             while self.state.epoch < self.cfg.epochs:
-                self._train_epoch(bar)
+                self.train_epoch(bar)
                 self._end_epoch()
         if self.rt.is_main:
             plot(self.log.read(), self.out_dir / "metrics.png", self.cfg.ttt_steps)
         return TrainResult(self.state, self._counts(), resumed)
 
-    def _train_epoch(self, bar: Progress) -> None:
+    def train_epoch(self, bar: Progress) -> None:
+        """Run the rest of the current epoch's plan (from the saved data position)."""
         plan = self.plans[self.state.epoch]
         self.model.train()
         for idx in plan[self.state.step_in_epoch :]:

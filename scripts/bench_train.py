@@ -1,0 +1,145 @@
+"""Benchmark: Eyrie's training loop vs a minimal loop over speculators' own model, one run.
+
+Both train the same `Eagle3DraftModel` (built the same way, same seed) on the same packed
+batches of real SmolLM2 hidden states of real ShareGPT V3 samples, on CPU:
+- "minimal": batches pre-collated in memory; forward (speculators' TTT loss), backward,
+  AdamW step. Nothing else.
+- "eyrie": `Trainer.train_epoch` as the train stage runs it: reads each sample from the
+  extract shards on disk, packs, adds noise, autocast, clips, steps AdamW and the LR
+  schedule, logs per-step metrics to metrics.jsonl, updates the progress bar.
+After one untimed warm-up step each, rounds alternate (minimal, eyrie, minimal, eyrie, ...)
+so both see the same machine load; the ratio uses the summed time of all rounds.
+
+Prints tokens/s of each, the ratio eyrie / minimal (goal >= 0.95), and the peak RSS of the
+process.
+
+Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
+       [--tokens-per-step 384] [--precision bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def minimal_epoch_s(model, batches, cfg) -> tuple[float, int]:
+    """Seconds and tokens of a bare forward+backward+AdamW loop over in-memory batches."""
+    import torch
+    from speculators.losses import resolve_loss_config
+
+    loss_config = resolve_loss_config("kl_div", "eager")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    tokens = 0
+    t0 = time.perf_counter()
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            _, loss, _ = model(
+                **batch,
+                ttt_steps=cfg.ttt_steps,
+                ttt_step_loss_decay=cfg.step_loss_decay,
+                loss_config=loss_config,
+            )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tokens += batch["input_ids"].shape[1]
+    return time.perf_counter() - t0, tokens
+
+
+def eyrie_epoch_s(trainer) -> tuple[float, int]:
+    """Seconds and tokens of one `Trainer.train_epoch` (epoch 0, from its start)."""
+    from shared.progress import Progress
+
+    trainer.state.epoch, trainer.state.step_in_epoch = 0, 0
+    before = len(trainer.log.read())
+    t0 = time.perf_counter()
+    with Progress(len(trainer.plans[0]), "steps", "eyrie") as bar:
+        trainer.train_epoch(bar)
+    dt = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in trainer.log.read()[before:])
+    return dt, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens-per-step", type=int, default=384)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    args = ap.parse_args()
+
+    import torch
+
+    from services.train.draft_model import build_draft
+    from services.train.packing import collate
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer, load_vocab
+    from shared.store import cache_root
+    from tests.train.conftest import train_recipe
+    from tests.train.data import make_extract_data
+
+    smollm2 = cache_root() / "models" / "SmolLM2-135M-Instruct"
+    recipe = train_recipe(
+        smollm2,
+        epochs=1,
+        tokens_per_step=args.tokens_per_step,
+        precision=args.precision,
+        step_checkpoint_every=0,
+        noise_std=0.05,
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        root = make_extract_data(Path(tmp), smollm2, n=args.samples, max_len=args.max_len)
+        index = index_samples(sorted((root / "extract").glob("shard-*")))
+        vocab = load_vocab(root / "vocab")
+        trainer = Trainer(recipe, index, vocab, Path(tmp) / "train")
+        plan = trainer.plans[0]
+        batches = [
+            collate(
+                [trainer.read(trainer.train_refs[i]) for i in idx], recipe.train.tokens_per_step
+            )
+            for idx in plan
+        ]
+        dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        batches = [
+            {k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()} for b in batches
+        ]
+        torch.manual_seed(recipe.train.seed)
+        minimal = build_draft(recipe, *vocab, device="cpu")
+        # Untimed warm-up of both (first-call allocations, lazy inits), then timed rounds.
+        minimal_epoch_s(minimal, batches[:1], recipe.train)
+        trainer.train_step([trainer.train_refs[i] for i in plan[0]])
+        t_min = t_eye = 0.0
+        n_min = n_eye = 0
+        for r in range(args.rounds):
+            dt, n = minimal_epoch_s(minimal, batches, recipe.train)
+            t_min, n_min = t_min + dt, n_min + n
+            dt, n = eyrie_epoch_s(trainer)
+            t_eye, n_eye = t_eye + dt, n_eye + n
+            print(
+                f"round {r}: minimal {n_min / t_min:.1f} tok/s, eyrie {n_eye / t_eye:.1f} "
+                f"tok/s (cumulative)",
+                flush=True,
+            )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"\nsamples {len(index.refs)}, steps/epoch {len(plan)}, tokens/step <= "
+        f"{args.tokens_per_step}, precision {args.precision}, rounds {args.rounds}"
+    )
+    print(f"minimal speculators loop: {n_min / t_min:8.1f} tokens/s")
+    print(f"eyrie trainer loop:       {n_eye / t_eye:8.1f} tokens/s")
+    print(f"ratio eyrie / minimal:    {(n_eye / t_eye) / (n_min / t_min):8.3f}  (goal >= 0.95)")
+    print(f"peak RSS:                 {peak:8.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
