@@ -152,12 +152,14 @@ def _extract_rows(
     writer = StateWriter(shard_dir, NUM_SLOTS, getattr(torch, recipe.extract.dtype))
     samples = [tok.input_ids[r] for r in todo]
     total = sum(len(s) for s in samples)
+    done_rows: list[int] = []
     with Progress(total, "tok", f"extract[{shard}]") as progress:
 
         def on_result(i: int, out: Any) -> None:
             row = todo[i]
             writer.submit(row, tok.ids[row], out.states, out.token_ids, tok.input_ids[row])
-            progress.update(len(samples[i]), rows=i + 1)
+            done_rows.append(row)
+            progress.update(len(samples[i]), rows=len(done_rows))
 
         try:
             stats = run_batches(
