@@ -30,18 +30,20 @@ class VLLMExtractor:
 
     Args:
         recipe: the run's recipe (serve.host/port, served model name, layers).
-        base_url: override of the server URL, e.g. a test's own server.
+        url: override of the server URL (default: the launcher's `base_url` of extract
+            mode, a compose alias on the docker backend), e.g. a test's own server.
         timeout_s: per-request timeout.
     """
 
-    def __init__(self, recipe: Recipe, base_url: str | None = None, timeout_s: float = 600):
-        from services.serve.launcher import mode_port, served_model_name
+    def __init__(self, recipe: Recipe, url: str | None = None, timeout_s: float = 600):
+        from services.serve.launcher import auth_headers, base_url, served_model_name
 
         cfg = target_config(recipe)
         n = int(cfg["num_hidden_layers"])
         self.aux_ids = resolve_aux_layer_ids(recipe.layers, n)
         self.hidden_size = int(cfg["hidden_size"])
-        self.url = base_url or f"http://{recipe.serve.host}:{mode_port(recipe, 'extract')}"
+        self.url = url or base_url(recipe, "extract")
+        self.headers = auth_headers()
         self.model = served_model_name(recipe)
         self.timeout_s = timeout_s
         self._meta = base_metadata(recipe, self.aux_ids, self.hidden_size)
@@ -90,7 +92,12 @@ class VLLMExtractor:
             "temperature": 0.0,
         }
         try:
-            r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=self.timeout_s)
+            r = httpx.post(
+                f"{self.url}/v1/completions",
+                json=body,
+                headers=self.headers,
+                timeout=self.timeout_s,
+            )
             r.raise_for_status()
         except httpx.HTTPError as e:
             raise ServiceUnavailableError(

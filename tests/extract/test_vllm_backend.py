@@ -45,7 +45,7 @@ def test_vllm_states_match_hf(extract_server, smollm2_path, smollm2_model, share
     from transformers import AutoModelForCausalLM
 
     recipe, handle, hs_dir = extract_server
-    ex = VLLMExtractor(recipe, base_url=handle.url)
+    ex = VLLMExtractor(recipe, url=handle.url)
     assert ex.aux_ids == [2, 15, 27]
     batch = [r["input_ids"][:n] for r, n in zip(sharegpt_rows, (160, 97, 41), strict=False)]
     got = ex.extract(batch)
@@ -70,7 +70,7 @@ def test_extract_stage_through_vllm(extract_server, store_for, sharegpt_rows):
     store = store_for(recipe)
     rows = sharegpt_rows[:4]
     write_tokenized_shard(store, 0, rows)
-    m = extract_shard(store, recipe, 0, VLLMExtractor(recipe, base_url=handle.url))
+    m = extract_shard(store, recipe, 0, VLLMExtractor(recipe, url=handle.url))
     assert m.counts["written"] == 4 and m.counts["quarantined"] == 0
     sdir = store.shard_path("extract", 0, "")
     meta = json.loads((sdir / "meta.json").read_text())
