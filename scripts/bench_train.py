@@ -4,11 +4,12 @@ Both train the same `Eagle3DraftModel` (built the same way, same seed) on the sa
 batches of real SmolLM2 hidden states of real ShareGPT V3 samples, on CPU:
 - "minimal": batches pre-collated in memory; forward (speculators' TTT loss), backward,
   AdamW step. Nothing else.
-- "eyrie": `Trainer.train_epoch` as the train stage runs it: reads each sample from the
-  extract shards on disk, packs, adds noise, autocast, clips, steps AdamW and the LR
-  schedule, logs per-step metrics to metrics.jsonl, updates the progress bar.
-After one untimed warm-up step each, rounds alternate (minimal, eyrie, minimal, eyrie, ...)
-so both see the same machine load; the ratio uses the summed time of all rounds.
+- "eyrie": `Trainer.train_epoch`, one step at a time, as the train stage runs it: reads
+  each sample from the extract shards on disk, packs, adds noise, autocast, clips, steps
+  AdamW and the LR schedule, logs per-step metrics to metrics.jsonl, updates the bar.
+After an untimed warm-up round, the two alternate step by step on the same batch (minimal
+step i, eyrie step i, ...), so swings in machine load hit both; the ratio uses the summed
+time of all timed rounds.
 
 Prints tokens/s of each, the ratio eyrie / minimal (goal >= 0.95), and the peak RSS of the
 process.
@@ -31,42 +32,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def minimal_epoch_s(model, batches, cfg) -> tuple[float, int]:
-    """Seconds and tokens of a bare forward+backward+AdamW loop over in-memory batches."""
+def minimal_step_s(model, opt, batch, cfg, loss_config) -> float:
+    """Seconds of one bare forward + backward + AdamW step on an in-memory batch."""
     import torch
-    from speculators.losses import resolve_loss_config
 
-    loss_config = resolve_loss_config("kl_div", "eager")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    tokens = 0
     t0 = time.perf_counter()
-    for batch in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-            _, loss, _ = model(
-                **batch,
-                ttt_steps=cfg.ttt_steps,
-                ttt_step_loss_decay=cfg.step_loss_decay,
-                loss_config=loss_config,
-            )
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        tokens += batch["input_ids"].shape[1]
-    return time.perf_counter() - t0, tokens
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        _, loss, _ = model(
+            **batch,
+            ttt_steps=cfg.ttt_steps,
+            ttt_step_loss_decay=cfg.step_loss_decay,
+            loss_config=loss_config,
+        )
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - t0
 
 
-def eyrie_epoch_s(trainer) -> tuple[float, int]:
-    """Seconds and tokens of one `Trainer.train_epoch` (epoch 0, from its start)."""
-    from shared.progress import Progress
-
-    trainer.state.epoch, trainer.state.step_in_epoch = 0, 0
-    before = len(trainer.log.read())
+def eyrie_step_s(trainer, bar) -> float:
+    """Seconds of the next step of `Trainer.train_epoch` (the loop body as the stage runs it)."""
+    if trainer.state.step_in_epoch == len(trainer.plans[0]):
+        trainer.state.epoch, trainer.state.step_in_epoch = 0, 0
     t0 = time.perf_counter()
-    with Progress(len(trainer.plans[0]), "steps", "eyrie") as bar:
-        trainer.train_epoch(bar)
-    dt = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in trainer.log.read()[before:])
-    return dt, tokens
+    trainer.train_epoch(bar, max_steps=1)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -84,6 +74,7 @@ def main() -> None:
     from services.train.packing import collate
     from services.train.samples import index_samples
     from services.train.trainer import Trainer, load_vocab
+    from shared.progress import Progress
     from shared.store import cache_root
     from tests.train.conftest import train_recipe
     from tests.train.data import make_extract_data
@@ -115,21 +106,31 @@ def main() -> None:
         ]
         torch.manual_seed(recipe.train.seed)
         minimal = build_draft(recipe, *vocab, device="cpu")
-        # Untimed warm-up of both (first-call allocations, lazy inits), then timed rounds.
-        minimal_epoch_s(minimal, batches[:1], recipe.train)
-        trainer.train_step([trainer.train_refs[i] for i in plan[0]])
+        from speculators.losses import resolve_loss_config
+
+        loss_config = resolve_loss_config("kl_div", "eager")
+        opt = torch.optim.AdamW(
+            [p for p in minimal.parameters() if p.requires_grad], lr=recipe.train.lr
+        )
+        tokens = [b["input_ids"].shape[1] for b in batches]
         t_min = t_eye = 0.0
-        n_min = n_eye = 0
-        for r in range(args.rounds):
-            dt, n = minimal_epoch_s(minimal, batches, recipe.train)
-            t_min, n_min = t_min + dt, n_min + n
-            dt, n = eyrie_epoch_s(trainer)
-            t_eye, n_eye = t_eye + dt, n_eye + n
-            print(
-                f"round {r}: minimal {n_min / t_min:.1f} tok/s, eyrie {n_eye / t_eye:.1f} "
-                f"tok/s (cumulative)",
-                flush=True,
-            )
+        with Progress(len(plan) * (args.rounds + 1), "steps", "bench") as bar:
+            # Round 0 is an untimed warm-up (first-call allocations, lazy inits). Then the
+            # two loops alternate step by step on the same batch, so load swings hit both.
+            for r in range(args.rounds + 1):
+                for batch in batches:
+                    dm = minimal_step_s(minimal, opt, batch, recipe.train, loss_config)
+                    de = eyrie_step_s(trainer, bar)
+                    if r:
+                        t_min, t_eye = t_min + dm, t_eye + de
+                n = sum(tokens) * r
+                if r:
+                    print(
+                        f"round {r}: minimal {n / t_min:.1f} tok/s, eyrie {n / t_eye:.1f} "
+                        f"tok/s (cumulative)",
+                        flush=True,
+                    )
+        n_min = n_eye = sum(tokens) * args.rounds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         f"\nsamples {len(index.refs)}, steps/epoch {len(plan)}, tokens/step <= "

@@ -126,7 +126,12 @@ def _chain(
     """
     import torch
 
-    batch = {key: v.to(device) for key, v in collate([sample], len(sample.input_ids)).items()}
+    # Stored states are bf16; the draft's weights are fp32 (autocast, when on, casts down).
+    dtype = next(model.parameters()).dtype
+    batch = {
+        key: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+        for key, v in collate([sample], len(sample.input_ids)).items()
+    }
     ids = batch["input_ids"][0]  # shape: [n], x_{t+1}
     n = ids.shape[0]
     drafts = model(

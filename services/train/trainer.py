@@ -188,11 +188,17 @@ class Trainer:
             plot(self.log.read(), self.out_dir / "metrics.png", self.cfg.ttt_steps)
         return TrainResult(self.state, self._counts(), resumed)
 
-    def train_epoch(self, bar: Progress) -> None:
-        """Run the rest of the current epoch's plan (from the saved data position)."""
+    def train_epoch(self, bar: Progress, max_steps: int | None = None) -> None:
+        """Run the rest of the current epoch's plan (from the saved data position).
+
+        Args:
+            bar: the progress bar to advance.
+            max_steps: stop after this many steps (the bench interleaves single steps).
+        """
         plan = self.plans[self.state.epoch]
         self.model.train()
-        for idx in plan[self.state.step_in_epoch :]:
+        stop = len(plan) if max_steps is None else self.state.step_in_epoch + max_steps
+        for idx in plan[self.state.step_in_epoch : stop]:
             record = self.train_step([self.train_refs[i] for i in idx])
             self.state.step += 1
             self.state.step_in_epoch += 1
