@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def teacher_head(model: torch.nn.Module) -> torch.Tensor:
+def teacher_head(model: Any) -> torch.Tensor:
     """The target's full lm_head weight `[target_vocab, H]` (fp32, CPU).
 
     Read from the verifier named in the draft's speculators config; a target with tied
@@ -62,7 +62,7 @@ def _tied(path: str) -> bool:
 
 
 def simulated_tau(
-    model: torch.nn.Module,
+    model: Any,
     samples: Sequence[Sample],
     k: int,
     lm_head: torch.Tensor | None = None,
@@ -117,7 +117,7 @@ def simulated_tau(
 
 
 def _chain(
-    model: torch.nn.Module, head: torch.Tensor, sample: Sample, k: int, device: torch.device
+    model: Any, head: torch.Tensor, sample: Sample, k: int, device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Per anchor, which of the k steps lie in its accepted prefix.
 

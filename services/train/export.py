@@ -99,7 +99,7 @@ def draft_spec(
     )
 
 
-def write_speculators(out_dir: Path, model: torch.nn.Module, target_hidden: int) -> Path:
+def write_speculators(out_dir: Path, model: Any, target_hidden: int) -> Path:
     """Write speculators' `save_pretrained` folder (bf16 copy); make every flag explicit."""
     import torch
 
