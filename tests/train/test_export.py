@@ -232,3 +232,17 @@ def test_lint_catches(case, exported_run, smollm2_path, tmp_path):
     mutate(folder)
     problems = _lint(folder, smollm2_path)
     assert any(p.startswith(key) for p in problems), problems
+
+
+def test_speculators_folder_reloads_in_speculators(exported_run):
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    folder = exported_run.root / "export" / "speculators"
+    model = Eagle3DraftModel.from_pretrained(str(folder))
+    assert model.config.eagle_aux_hidden_state_layer_ids == AUX
+    assert model.config.norm_before_residual is False
+    vllm = load_file(str(exported_run.root / "export" / "vllm" / "model.safetensors"))
+    assert torch.equal(model.fc.weight.to(torch.bfloat16), vllm["fc.weight"])
+    assert torch.equal(model.d2t, vllm["d2t"])
