@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -165,13 +166,38 @@ def enqueue(spec: JobSpec, conn: Redis, depends_on: list[str] | None = None) -> 
     )
 
 
+class HeartbeatSimpleWorker(SimpleWorker):
+    """rq's non-forking worker, heart-beating while a job runs.
+
+    rq's SimpleWorker runs the job in its own main thread, so it sends no heartbeat until the
+    job ends: a worker on another host busy with a long training job would look exactly like
+    a dead one. A daemon thread keeps `last_heartbeat` fresh; it dies with the process, so a
+    killed worker still goes stale.
+    """
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.job_monitoring_interval):
+                self.heartbeat()
+
+        thread = threading.Thread(target=beat, daemon=True, name="rq-heartbeat")
+        thread.start()
+        try:
+            super().execute_job(job, queue)
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+
 def make_worker(
     queues: list[str],
     conn: Redis,
     name: str | None = None,
     job_monitoring_interval: int = 30,
     worker_ttl: int | None = None,
-) -> Worker | SimpleWorker:
+) -> Worker | HeartbeatSimpleWorker:
     """Build an rq worker for `queues`.
 
     extract/train get rq's non-forking SimpleWorker (the model stays loaded across jobs);
@@ -189,7 +215,7 @@ def make_worker(
             f"queues {queues}: extract/train need a non-forking worker of their own; "
             "start them separately from prep/regen/eval"
         )
-    cls = SimpleWorker if kinds == {True} else Worker
+    cls = HeartbeatSimpleWorker if kinds == {True} else Worker
     return cls(
         [get_queue(q, conn) for q in queues],
         connection=conn,
@@ -223,6 +249,8 @@ def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) 
             return True
         except PermissionError:
             pass
+        else:
+            return False  # alive on this host: its heartbeat age says nothing more
     hb = w.last_heartbeat
     return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
 

@@ -147,3 +147,51 @@ def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path
         "manifest.json",
         "runs.log",
     ]
+
+
+def _start_train_worker(redis_url: str, name: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.conductor.cli",
+        "worker",
+        "train",
+        "--name",
+        name,
+        "--monitor-interval-s",
+        "1",
+        "--burst",
+    ]
+    env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+def test_busy_non_forking_worker_is_not_taken_for_dead(redis_url, tmp_path, monkeypatch):
+    """A long job on a non-forking worker keeps heart-beating, seen as if from another host."""
+    import shared.queue as queue_mod
+
+    monkeypatch.setattr(queue_mod.socket, "gethostname", lambda: "another-host")
+    conn = connect(redis_url)
+    q = get_queue("train", conn)
+    out = tmp_path / "o"
+    job = q.enqueue(
+        "tests.shared.jobfns.slow_write", str(out), 60, 0.1, job_id="t-train-0", job_timeout=300
+    )
+    w = _start_train_worker(redis_url, "w-busy")
+    deadline = time.monotonic() + 120
+    while not (out / "runs.log").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    while w.poll() is None:
+        assert reconcile(conn, ("train",), stale_after_s=4) == []
+        time.sleep(1)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    assert (out / "runs.log").read_text().count("\n") == 1
