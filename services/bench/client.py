@@ -201,7 +201,11 @@ async def run_window(
     results: list[RequestResult] = [RequestResult() for _ in prompts]
     limits = httpx.Limits(max_connections=concurrency)
 
-    async with httpx.AsyncClient(timeout=spec.timeout_s, limits=limits) as client:
+    from services.serve.launcher import auth_headers
+
+    async with httpx.AsyncClient(
+        timeout=spec.timeout_s, limits=limits, headers=auth_headers()
+    ) as client:
 
         async def worker() -> None:
             while not queue.empty():
@@ -222,9 +226,11 @@ def served_model(base_url: str, timeout_s: float = 10.0) -> str:
     """
     import httpx
 
+    from services.serve.launcher import auth_headers
+
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        data = httpx.get(url, timeout=timeout_s).json().get("data") or []
+        data = httpx.get(url, timeout=timeout_s, headers=auth_headers()).json().get("data") or []
     except (httpx.HTTPError, ValueError) as e:
         raise ServiceUnavailableError(f"{url}: cannot list models ({e}); is the server up?") from e
     if not data:

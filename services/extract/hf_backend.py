@@ -102,6 +102,13 @@ def load_target(spec: LoadSpec) -> Any:
         return model
 
 
+def release_models() -> None:
+    """Drop the cached target and return its accelerator memory (end of an extract phase)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+    _free_accelerator_memory()
+
+
 def _free_accelerator_memory() -> None:
     import gc
 

@@ -149,8 +149,8 @@ class DockerBackend(Backend):
         found = self.client.containers.list(all=True, filters=filters)
         if not found:
             raise ServiceUnavailableError(
-                f"no container labelled {COMPOSE_SERVICE_LABEL}=vllm: start the stack with "
-                "`docker compose up -d` first"
+                f"no container labelled {COMPOSE_SERVICE_LABEL}=vllm: create it with "
+                "`docker compose --profile serve create vllm` (README, Run on a GPU node)"
             )
         return found[0]
 

@@ -31,6 +31,8 @@ NOT_WIRED: dict[str, str] = {
     "RANK": "set per process by torchrun (multi-GPU training); one trainer process is rank 0",
     "WORLD_SIZE": "set by torchrun; a single trainer process defaults to a world of 1",
     "LOCAL_RANK": "set per process by torchrun; a single trainer process is local rank 0",
+    "EYRIE_PREP_TOKENIZERS": "optional speed-up: tokenizer folders a prep worker loads before "
+    "forking; unset, each job loads its own",
 }
 
 #: Set by Compose itself (the project name), never by .env.
