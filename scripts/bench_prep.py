@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,44 +31,18 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from services.conductor.processes import (  # noqa: E402
+    free_port,
+    start_redis_server,
+    start_worker,
+)
 from shared.queue import JobSpec, connect, enqueue  # noqa: E402
 from shared.recipe import resolve_recipe  # noqa: E402
 from shared.store import RunStore, cache_root  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(tmp),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            connect(url)
-            return proc, url
-        except Exception:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("redis-server did not start")
+    return start_redis_server(free_port(), tmp)
 
 
 def start_workers(n: int, data: Path, url: str, conn) -> tuple[list[subprocess.Popen], float]:
@@ -82,24 +55,7 @@ def start_workers(n: int, data: Path, url: str, conn) -> tuple[list[subprocess.P
         "EYRIE_PREP_TOKENIZERS": str(cache_root() / "models" / "SmolLM2-135M-Instruct"),
     }
     t0 = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.conductor.cli",
-                "worker",
-                "prep",
-                "--name",
-                f"bench-{n}-{i}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for i in range(n)
-    ]
+    procs = [start_worker(["prep"], f"bench-{n}-{i}", env) for i in range(n)]
     while len(Worker.all(connection=conn)) < n:
         time.sleep(0.1)
     return procs, time.monotonic() - t0

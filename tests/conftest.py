@@ -7,10 +7,6 @@ scripts/setup; a missing one is an error that says to run it, never a skip.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -44,55 +40,18 @@ def tokenizer_dirs() -> dict[str, Path]:
     return {n: _need(root / n, f"tokenizer {n}") for n in ("llama3_1", "qwen3", "deepseek_v3")}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """An ephemeral redis-server on its own port and folder; yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(
-            "redis-server not found: run scripts/setup (installs it with apt)", pytrace=False
-        )
-    port = free_port()
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(d),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    from redis import Redis
+    from services.conductor.processes import free_port, start_redis_server, stop_process
+    from shared.errors import ServiceUnavailableError
 
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            Redis.from_url(url).ping()
-            break
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"redis-server did not start on port {port}", pytrace=False)
-            time.sleep(0.1)
+    try:
+        proc, url = start_redis_server(free_port(), tmp_path_factory.mktemp("redis"))
+    except ServiceUnavailableError as e:
+        pytest.fail(str(e), pytrace=False)
     yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_process(proc, grace_s=10)
 
 
 @pytest.fixture

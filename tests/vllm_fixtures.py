@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import FIXTURES, free_port
+from services.conductor.processes import free_port
+from tests.conftest import FIXTURES
 
 
 def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, Any]:

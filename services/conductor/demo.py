@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from services.conductor.processes import start_redis_server, start_worker, stop_process
 from shared.errors import ServiceUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _redis(stack: ExitStack, log_dir: Path) -> str:
-    """The Redis URL to use: EYRIE_REDIS_URL if it answers, else a local redis-server."""
+    """The Redis URL to use: EYRIE_REDIS_URL if it answers, else a local redis-server.
+
+    A local server takes the URL's port (default 6379), so `eyrie status` in another
+    terminal finds it without settings.
+    """
     from shared.queue import connect, redis_url
 
     url = redis_url()
@@ -67,83 +72,36 @@ def _redis(stack: ExitStack, log_dir: Path) -> str:
         return url
     except ServiceUnavailableError:
         pass
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise ServiceUnavailableError(
-            f"no Redis at {url} and no redis-server binary: run scripts/setup"
-        )
-    port = url.rsplit(":", 1)[-1].split("/")[0] if "127.0.0.1" in url else "6379"
+    port = urlsplit(url).port or 6379
     d = log_dir / "redis"
     d.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            port,
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(d),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=open(d / "redis.log", "w"),
-        stderr=subprocess.STDOUT,
-    )
-    stack.callback(_stop, proc)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            connect(url)
-            print(f"[demo] started redis-server on {url}", flush=True)
-            return url
-        except ServiceUnavailableError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise
-            time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 20) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    proc, url = start_redis_server(port, d, log=open(d / "redis.log", "w"))
+    stack.callback(stop_process, proc)
+    print(f"[demo] started redis-server on {url}", flush=True)
+    return url
 
 
 def start_workers(
-    stack: ExitStack, log_dir: Path, env: dict[str, str], monitor_interval_s: int = 5
+    stack: ExitStack,
+    log_dir: Path,
+    env: dict[str, str],
+    workers: list[tuple[list[str], int]] = WORKERS,
+    monitor_interval_s: int = 5,
 ) -> list[subprocess.Popen]:
-    """Start the demo's rq workers as subprocesses, logging to `log_dir`; stopped on exit."""
+    """Start rq workers as subprocesses, logging to `log_dir`; stopped when `stack` closes.
+
+    Args:
+        workers: (queues, count) pairs; default the demo's set.
+        monitor_interval_s: rq heartbeat period; short, so a dead worker is noticed soon.
+    """
     procs = []
-    for queues, count in WORKERS:
+    for queues, count in workers:
         for i in range(count):
             # Unique: a killed worker's name stays registered in Redis until its TTL.
             name = f"demo-{'-'.join(queues)}-{i}-{uuid.uuid4().hex[:8]}"
             log = open(log_dir / f"{name}.log", "w")
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "services.conductor.cli",
-                    "worker",
-                    *queues,
-                    "--name",
-                    name,
-                    "--monitor-interval-s",
-                    str(monitor_interval_s),
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            stack.callback(_stop, proc)
+            proc = start_worker(queues, name, env, log, monitor_interval_s)
+            stack.callback(stop_process, proc)
             procs.append(proc)
     return procs
 

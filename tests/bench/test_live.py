@@ -20,10 +20,10 @@ import yaml
 
 from services.bench.prompts import mtbench_messages
 from services.bench.sweep import sweep_server
+from services.conductor.processes import free_port
 from shared.recipe import resolve_recipe
 from shared.store import RunStore
 from tests.bench.acceptance_models import untied_zero_head_target
-from tests.conftest import free_port
 from tests.vllm_fixtures import LiveServer, fixture_recipe_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

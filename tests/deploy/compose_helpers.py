@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from services.conductor.processes import free_port  # noqa: F401 (re-exported for tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 REDIS_PASSWORD = "pw-from-test-0123"
@@ -92,12 +94,3 @@ def worker_queues(services: dict[str, dict]) -> dict[str, list[str]]:
         if cmd[:2] == ["eyrie", "worker"]:
             out[name] = [a for a in cmd[2:] if not a.startswith("-")]
     return out
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for a test's own redis-server)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

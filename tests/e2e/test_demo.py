@@ -82,15 +82,25 @@ def test_every_stage_manifest_with_consistent_counts(quick_run):
             assert store.is_done(stage.name, shard), f"{stage.name}[{shard}] has no manifest"
     n = len(shards_of(STAGES["prep"], store))
     assert n >= 2  # several prep shards: the two prep workers share them
+    dedup_kept = json.loads((store.root / "dedup" / "keep.json").read_text())
     for shard in range(n):
         prep = store.read_manifest("prep", shard).counts
         regen = store.read_manifest("regen", shard).counts
         tok = store.read_manifest("tokenize", shard).counts
         ext = store.read_manifest("extract", shard).counts
-        assert prep["kept"] <= prep["rows_in"]
+        assert prep["kept"] + prep["skipped"] == prep["rows_in"]
+        assert regen["input"] == len(dedup_kept[str(shard)]) <= prep["kept"]
         assert regen["success"] + regen["error"] + regen["skipped"] == regen["input"]
         assert tok["rows_in"] == regen["success"]
-        assert ext["samples"] + ext.get("quarantined", 0) == tok["rows_out"]
+        assert ext["rows"] == tok["samples"]
+        assert ext["written"] + ext["quarantined"] == ext["rows"]
+    vocab = store.read_manifest("vocab").counts
+    tokens = sum(store.read_manifest("tokenize", s).counts["assistant_tokens"] for s in range(n))
+    assert vocab["assistant_tokens"] == tokens
+    train = store.read_manifest("train").counts
+    written = sum(store.read_manifest("extract", s).counts["written"] for s in range(n))
+    assert train["train_samples"] + train["val_samples"] <= written
+    assert store.read_manifest("export").counts["lint_problems"] == 0
 
 
 def test_exported_draft_passes_lint(quick_run):
@@ -103,17 +113,18 @@ def test_counters_moved_and_tau_matches_them(quick_run):
     store = quick_run["store"]
     eagle = json.loads((store.root / "eval" / "shard-00001.json").read_text())
     report = json.loads((store.root / "report" / "report.json").read_text())
-    deltas = eagle["counters"]
-    drafts, accepted = deltas["num_drafts"], deltas["num_accepted_tokens"]
+    windows = [w for w in eagle["windows"] if w["temperature"] == 0.0]
+    drafts = sum(w["counters"]["drafts"] for w in windows)
+    accepted = sum(w["counters"]["accepted"] for w in windows)
     assert drafts > 0  # vLLM's spec-decode counters moved
-    tau = report["tau"]
+    tau = report["tau"]["0.0"]
     assert tau == pytest.approx(1 + accepted / drafts)
     assert tau > 1.0
 
 
 def test_demo_printed_final_table(quick_run):
     log = quick_run["log"]
-    assert "speedup" in log.lower() and "τ" in log or "tau" in log.lower()
+    assert "| T | conc | baseline tok/s | eagle3 tok/s | speedup | τ |" in log
     assert "wall time per stage" in log
 
 
@@ -126,6 +137,15 @@ def test_second_run_is_a_noop_with_same_result(quick_run):
     assert proc.returncode == 0, log.read_text()[-3000:]
     assert (store.root / "report" / "report.json").read_bytes() == before
     assert {p: p.stat().st_mtime for p in store.root.rglob("manifest-*.json")} == mtimes
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
 
 
 def _kill_tree(pid: int) -> None:
@@ -173,11 +193,11 @@ def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
             stdout=open(tmp_path / "run.log", "w"),
             stderr=subprocess.STDOUT,
         )
-        stack.callback(conductor.kill)
+        stack.callback(_terminate, conductor)  # lets it stop the vLLM servers it started
         trainer = next(w for w in workers if "train" in w.args)
         deadline = time.monotonic() + 600
         ckpt_dir = store.root / "train"
-        while not any(ckpt_dir.rglob("training_state*")):
+        while not any(ckpt_dir.rglob("training_state.pt")):
             assert time.monotonic() < deadline, "training never wrote a checkpoint"
             assert conductor.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.5)
@@ -186,12 +206,13 @@ def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
         start_workers(stack, log_dir, env, workers=[(["train"], 1)], monitor_interval_s=2)
         assert conductor.wait(timeout=1200) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert store.is_done("report")
+    train = store.read_manifest("train")
+    assert train.extra.get("resumed_from"), "training did not resume from a checkpoint"
     metrics = [
         json.loads(x)
         for x in (store.root / "train" / "metrics.jsonl").read_text().splitlines()
         if x.strip()
     ]
-    assert any(m.get("resumed_from") is not None for m in metrics)
-    steps = [m["step"] for m in metrics if "step" in m and "loss" in m]
-    assert steps[-1] == max(steps)
-    assert np.isfinite([m["loss"] for m in metrics if "loss" in m]).all()
+    steps = [m["step"] for m in metrics if m.get("kind") == "step"]
+    assert steps == list(range(1, len(steps) + 1))  # resumed: no logged step repeated or lost
+    assert np.isfinite([m["loss"] for m in metrics if m.get("kind") == "step"]).all()

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
+from services.conductor.processes import free_port
 from services.extract.hf_backend import extract_batch
 from services.extract.vllm_backend import VLLMExtractor
-from tests.conftest import free_port
 from tests.vllm_fixtures import fixture_recipe_dict
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

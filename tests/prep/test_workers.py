@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from rq import Worker
 
+from services.conductor.processes import start_worker
 from services.prep import jobs
 from services.prep.plan import make_plan
 from shared.queue import JobSpec, connect, enqueue, get_queue, job_id
@@ -44,24 +44,7 @@ def _start_workers(n: int, data: Path, redis_url: str) -> list[subprocess.Popen]
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.conductor.cli",
-                "worker",
-                "prep",
-                "--name",
-                f"prep-test-{i}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for i in range(n)
-    ]
+    return [start_worker(["prep"], f"prep-test-{i}", env) for i in range(n)]
 
 
 def _wait_done(store: RunStore, stage: str, shards, timeout_s: float = 300) -> None:

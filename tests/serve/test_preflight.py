@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from services.conductor.processes import free_port
 from services.serve.launcher import serving, speculative_config
 from services.serve.preflight import preflight_eagle3, preflight_problems
 from shared.errors import ContractMismatchError
 from shared.recipe import resolve_recipe
 from shared.store import RunStore
-from tests.conftest import free_port
 
 AUX = [2, 15, 27]
 

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from services.conductor.cli import main
+from services.conductor.processes import free_port
 from services.serve.backends import ServerHandle, pid_alive
 from services.serve.gpu import busy_gpus, check_gpus_free, parse_memory_used
 from services.serve.readiness import wait_ready
 from shared.errors import ServiceUnavailableError
-from tests.conftest import free_port
 
 IDLE = "0, 4, 81559\n1, 4, 81559\n"
 BUSY = "0, 4, 81559\n1, 61234, 81559\n"

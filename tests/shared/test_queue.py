@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -13,6 +12,7 @@ import psutil
 import pytest
 from rq.job import JobStatus
 
+from services.conductor.processes import start_worker
 from shared.errors import ConfigError, ServiceUnavailableError
 from shared.queue import JobSpec, connect, enqueue, get_queue, job_id, mask_url, reconcile
 from shared.recipe import resolve_recipe
@@ -58,29 +58,12 @@ def test_non_json_payload_refused_at_enqueue(redis_url):
     assert len(q) == 0
 
 
-def _start_worker(redis_url: str, name: str, burst: bool) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.conductor.cli",
-        "worker",
-        "prep",
-        "--name",
-        name,
-        "--monitor-interval-s",
-        "2",
-        "--worker-ttl-s",
-        "30",
-    ] + (["--burst"] if burst else [])
-    env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def _start_worker(
+    redis_url: str, name: str, burst: bool, queue: str = "prep", monitor_interval_s: int = 2
+) -> subprocess.Popen:
+    env = {**os.environ, "EYRIE_REDIS_URL": redis_url}
+    proc = start_worker([queue], name, env, monitor_interval_s=monitor_interval_s, burst=burst)
+    return proc
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -149,30 +132,6 @@ def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path
     ]
 
 
-def _start_train_worker(redis_url: str, name: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.conductor.cli",
-        "worker",
-        "train",
-        "--name",
-        name,
-        "--monitor-interval-s",
-        "1",
-        "--burst",
-    ]
-    env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
 @pytest.mark.slow
 def test_busy_non_forking_worker_is_not_taken_for_dead(redis_url, tmp_path, monkeypatch):
     """A long job on a non-forking worker keeps heart-beating, seen as if from another host."""
@@ -185,7 +144,7 @@ def test_busy_non_forking_worker_is_not_taken_for_dead(redis_url, tmp_path, monk
     job = q.enqueue(
         "tests.shared.jobfns.slow_write", str(out), 60, 0.1, job_id="t-train-0", job_timeout=300
     )
-    w = _start_train_worker(redis_url, "w-busy")
+    w = _start_worker(redis_url, "w-busy", burst=True, queue="train", monitor_interval_s=1)
     deadline = time.monotonic() + 120
     while not (out / "runs.log").exists():
         assert time.monotonic() < deadline
