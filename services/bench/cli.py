@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from services.conductor.cli import add_override_arg
 from shared.errors import ConfigError
 
 
@@ -33,14 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="RECIPE",
         help="recipe YAML; or `offline RECIPE` for offline tau on a checkpoint",
     )
-    p.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted recipe override, e.g. eval.concurrency=[1,8] (repeatable)",
-    )
+    add_override_arg(p, "eval.concurrency=[1,8]")
     p.add_argument(
         "--compare",
         nargs=2,

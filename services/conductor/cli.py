@@ -27,16 +27,21 @@ COMMAND_MODULES: list[str] = [
 ]
 
 
-def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file")
+def add_override_arg(p: argparse.ArgumentParser, example: str = "train.lr=1e-4") -> None:
+    """Add `-o/--override KEY=VALUE` (repeatable): dotted recipe overrides, parsed as YAML."""
     p.add_argument(
         "-o",
         "--override",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="dotted override, e.g. train.lr=1e-4 (repeatable)",
+        help=f"dotted recipe override, e.g. {example} (repeatable)",
     )
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML file")
+    add_override_arg(p)
 
 
 def _load(args: argparse.Namespace):

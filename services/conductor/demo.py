@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from services.conductor.cli import add_override_arg
 from services.conductor.processes import start_redis_server, start_worker, stop_process
 from shared.errors import ServiceUnavailableError
 
@@ -47,14 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the CPU demo end to end (SmolLM2-135M + ShareGPT)")
     p.add_argument("--quick", action="store_true", help="the CI size (≤ 10 min)")
     p.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe (default: the demo's)")
-    p.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra dotted overrides",
-    )
+    add_override_arg(p, "datasets.0.max_samples=100")
     p.set_defaults(func=cmd_demo)
 
 

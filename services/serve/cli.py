@@ -15,6 +15,8 @@ import argparse
 import time
 from pathlib import Path
 
+from services.conductor.cli import add_override_arg
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `eyrie` parser."""
@@ -29,14 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--mode", choices=["baseline", "eagle3", "extract"], default="baseline", help="server mode"
     )
     p.add_argument("--draft", help="eagle3 draft folder (default: <run>/export/vllm)")
-    p.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted recipe override, e.g. serve.port=8100 (repeatable)",
-    )
+    add_override_arg(p, "serve.port=8100")
     p.set_defaults(func=cmd_serve)
 
 
