@@ -142,13 +142,13 @@ def main() -> int:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from services.extract import backend as be
+        from services.extract.hf_backend import extract_batch
 
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).to(args.device)
         ids = torch.randint(0, 49152, (1, 256), device=args.device)
         with torch.no_grad():
             ref = model(ids, output_hidden_states=True).hidden_states
-        states = be.extract_batch(model, [ids[0].tolist()], [2, 15, 27])[0]
+        states = extract_batch(model, [ids[0].tolist()], [2, 15, 27])[0]
         diffs = [
             float((states[:, j].float().cpu() - ref[k][0].float().cpu()).abs().max())
             for j, k in enumerate([2, 15, 27])
@@ -187,17 +187,19 @@ def main() -> int:
             for x in (store.root / "train" / "metrics.jsonl").read_text().splitlines()
             if x.strip()
         ]
-        losses = [r["loss"] for r in rows if "loss" in r]
+        losses = [r["loss"] for r in rows if r.get("kind") == "step"]
         if not losses or not losses[-1] < losses[0]:
             raise AssertionError(f"loss did not fall: first {losses[:1]}, last {losses[-1:]}")
         lint = json.loads((store.root / "export" / "lint.json").read_text())
         bad = {k: v for k, v in lint.items() if not v["ok"]}
         if bad:
             raise AssertionError(f"lint problems: {bad}")
-        tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+        tps = [r["tokens_per_s"] for r in rows if r.get("kind") == "step"]
+        taus = [r["tau"] for r in rows if r.get("kind") == "epoch"]
         return (
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
-            f"train {sum(tps) / max(len(tps), 1):.0f} tok/s; exports {sorted(lint)}; "
+            f"train {sum(tps) / max(len(tps), 1):.0f} tok/s; simulated tau per epoch {taus}; "
+            f"exports {sorted(lint)}; "
             f"extract counts {state.get('extract')}"
         )
 

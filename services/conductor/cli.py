@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -197,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: object) -> None:
+    # Unwind like Ctrl-C, so context managers stop the servers and workers this command
+    # started instead of orphaning them.
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `eyrie` console script. Returns the exit code."""
     parser = build_parser()
@@ -207,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     func: Callable[[argparse.Namespace], int] = args.func
+    if args.command != "worker":  # rq workers handle SIGTERM themselves (warm shutdown)
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return func(args)
     except ConfigError as e:

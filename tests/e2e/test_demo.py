@@ -22,12 +22,16 @@ import pytest
 from redis import Redis
 
 from services.conductor.demo import DEMO_RECIPE, QUICK_OVERRIDES, start_workers
+from services.conductor.processes import free_port
 from services.conductor.stages import STAGES, pipeline, shards_of
 from services.train.draft_format import lint_draft_dir
 from shared.recipe import resolve_recipe
 from shared.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[2]
+#: Free ports for the demo's two servers, so the test never collides with a running server.
+PORTS = [f"serve.port={free_port()}", f"serve.eagle3_port={free_port()}"]
+OVERRIDES = [*QUICK_OVERRIDES, *PORTS]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
 
 
@@ -45,7 +49,14 @@ def _env(data: Path, redis_url: str) -> dict[str, str]:
 def _demo(data: Path, redis_url: str, log: Path) -> subprocess.CompletedProcess:
     with open(log, "w") as f:
         return subprocess.run(
-            [sys.executable, "-m", "services.conductor.cli", "demo", "--quick"],
+            [
+                sys.executable,
+                "-m",
+                "services.conductor.cli",
+                "demo",
+                "--quick",
+                *[arg for o in PORTS for arg in ("-o", o)],
+            ],
             cwd=ROOT,
             env=_env(data, redis_url),
             stdout=f,
@@ -64,7 +75,7 @@ def quick_run(tmp_path_factory, redis_server):
     wall = time.monotonic() - t0
     text = log.read_text()
     assert proc.returncode == 0, text[-5000:]
-    recipe = resolve_recipe(DEMO_RECIPE, QUICK_OVERRIDES)
+    recipe = resolve_recipe(DEMO_RECIPE, OVERRIDES)
     return {
         "data": data,
         "store": RunStore(recipe.run_id(), data),
@@ -157,37 +168,20 @@ def _kill_tree(pid: int) -> None:
 def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
     """Reuse the quick run's data stages under a new run id, kill the train worker midway."""
     base = quick_run["store"]
-    recipe = resolve_recipe(
-        DEMO_RECIPE, [*QUICK_OVERRIDES, "train.epochs=3", "train.step_checkpoint_every=2"]
-    )
+    resume_overrides = [*OVERRIDES, "train.epochs=4", "train.step_checkpoint_every=2"]
+    recipe = resolve_recipe(DEMO_RECIPE, resume_overrides)
     store = RunStore.create(recipe, root=quick_run["data"])
-    for stage in ("prep", "dedup", "regen", "tokenize", "vocab", "extract"):
+    for stage in ("plan", "prep", "dedup", "regen", "tokenize", "vocab", "extract"):
         shutil.copytree(base.root / stage, store.root / stage, dirs_exist_ok=True)
     shutil.copy(base.root / "plan.json", store.root / "plan.json")
     env = _env(quick_run["data"], quick_run["redis"])
+    overrides = [arg for o in resume_overrides for arg in ("-o", o)]
     with ExitStack() as stack:
         log_dir = tmp_path / "logs"
         log_dir.mkdir()
         workers = start_workers(stack, log_dir, env, monitor_interval_s=2)
         conductor = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.conductor.cli",
-                "run",
-                str(DEMO_RECIPE),
-                *sum(
-                    [
-                        ["-o", o]
-                        for o in [
-                            *QUICK_OVERRIDES,
-                            "train.epochs=3",
-                            "train.step_checkpoint_every=2",
-                        ]
-                    ],
-                    [],
-                ),
-            ],
+            [sys.executable, "-m", "services.conductor.cli", "run", str(DEMO_RECIPE), *overrides],
             cwd=ROOT,
             env=env,
             stdout=open(tmp_path / "run.log", "w"),
