@@ -29,7 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SAMPLES = ROOT / "tests" / "fixtures" / "samples" / "sharegpt_fastchat_dummy.json"
+SAMPLES = [
+    ROOT / "tests" / "fixtures" / "samples" / name
+    for name in ("sharegpt_fastchat_dummy.json", "glaive_toolcall_en_demo.json")
+]
 RESULTS: list[tuple[str, bool, str]] = []
 
 
@@ -76,13 +79,13 @@ def write_recipe(run_dir: Path, target: Path, device: str) -> Path:
     recipe = {
         "name": "gpu-check",
         "target": {"path": str(target), "dtype": "bfloat16"},
-        "datasets": [{"path": str(SAMPLES), "format": "sharegpt", "max_samples": 96}],
-        "prep": {"shard_rows": 48, "max_len_tokens": 1024},
+        "datasets": [{"path": str(path), "format": "auto"} for path in SAMPLES],
+        "prep": {"shard_rows": 128, "max_len_tokens": 2048},
         "regen": {"enabled": False},
         "layers": [2, 15, 27],
         "extract": {"backend": "hf", "device": device, "tokens_per_batch": 16384},
         "draft": {"draft_vocab_size": 4096},
-        "train": {"epochs": 2, "lr": 3e-4, "device": device, "tokens_per_step": 4096},
+        "train": {"epochs": 3, "lr": 3e-4, "device": device, "tokens_per_step": 4096},
         "eval": {"num_prompts": 4},
     }
     path = run_dir / "gpu-check.yaml"
