@@ -92,22 +92,16 @@ def auth_headers() -> dict[str, str]:
 
 
 def target_num_layers(recipe: Recipe) -> int:
-    """Decoder layer count N of the target: the recipe's, else its config.json's.
+    """Decoder layer count N of the target: the recipe's, else its config's.
 
     Raises:
-        ConfigError: neither gives it.
+        ConfigError: the target's config cannot be read (`shared.target.target_config`).
     """
     if recipe.target.num_hidden_layers:
         return recipe.target.num_hidden_layers
-    cfg = Path(recipe.target.path) / "config.json"
-    if cfg.is_file():
-        data = json.loads(cfg.read_text())
-        n = data.get("num_hidden_layers") or data.get("text_config", {}).get("num_hidden_layers")
-        if n:
-            return int(n)
-    raise ConfigError(
-        f"target.num_hidden_layers: unknown ({cfg} missing or without it); set it in the recipe"
-    )
+    from shared.target import target_config
+
+    return int(target_config(recipe)["num_hidden_layers"])
 
 
 def speculative_config(

@@ -19,30 +19,7 @@ from typing import Any
 
 from shared.errors import ContractMismatchError
 from shared.recipe import Recipe
-
-
-def target_config(recipe: Recipe) -> dict[str, Any]:
-    """The target's config.json as a dict, with the recipe's expectations filled in.
-
-    Multimodal configs keep the language model under `text_config`; that is what the
-    draft speculates for.
-
-    Raises:
-        ContractMismatchError: config.json is missing, or disagrees with the recipe's
-            `target.hidden_size`/`vocab_size`/`num_hidden_layers`.
-    """
-    path = Path(recipe.target.path) / "config.json"
-    if not path.is_file():
-        raise ContractMismatchError(f"{path}: target config missing; cannot lint the draft")
-    cfg = json.loads(path.read_text())
-    cfg = {**cfg, **cfg.get("text_config", {})}
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-        want = getattr(recipe.target, key)
-        if want is not None and cfg.get(key) != want:
-            raise ContractMismatchError(
-                f"{path}: {key} is {cfg.get(key)} but the recipe says target.{key}={want}"
-            )
-    return cfg
+from shared.target import target_config
 
 
 def recorded_verifier(draft_dir: Path) -> str | None:
