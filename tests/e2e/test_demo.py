@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Free ports for the demo's two servers, so the test never collides with a running server.
 PORTS = [f"serve.port={free_port()}", f"serve.eagle3_port={free_port()}"]
 OVERRIDES = [*QUICK_OVERRIDES, *PORTS]
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
 def _env(data: Path, redis_url: str) -> dict[str, str]:
