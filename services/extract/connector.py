@@ -117,9 +117,14 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 "'extract_hidden_states'"
             )
         self.group = _hidden_states_group(kv_cache_config)
-        self.storage = vllm_config.kv_transfer_config.get_from_extra_config(
-            "shared_storage_path", "/tmp/eyrie-hidden-states"
-        )
+        kv = vllm_config.kv_transfer_config
+        storage = kv.get_from_extra_config("shared_storage_path", None) if kv else None
+        if not storage:
+            raise ValueError(
+                "EyrieHiddenStatesConnector needs kv_connector_extra_config."
+                "shared_storage_path (services.serve.launcher passes the run's folder)"
+            )
+        self.storage = storage
         # scheduler side
         self.paths: dict[str, str] = {}
         self.to_write: list[PendingWrite] = []
