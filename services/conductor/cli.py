@@ -100,7 +100,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     w.work(
         burst=args.burst,
-        with_scheduler=args.with_scheduler,
+        with_scheduler=not args.no_scheduler,
         logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"),
     )
     return 0
@@ -170,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("queues", nargs="+", help="queues: prep regen extract train eval")
     wk.add_argument("--name", help="worker name (default: rq's)")
     wk.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    wk.add_argument("--with-scheduler", action="store_true", help="run rq's scheduler too")
+    # Retries of failed and abandoned jobs wait in rq's scheduled registry; without a
+    # scheduler among the workers they would never run again. rq elects one at a time.
+    wk.add_argument(
+        "--no-scheduler",
+        action="store_true",
+        help="do not take part in rq's scheduler (retries need one somewhere)",
+    )
     wk.add_argument(
         "--monitor-interval-s",
         type=int,
