@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import psutil
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -232,6 +233,14 @@ def failure_text(job: Job) -> str:
     return (result.exc_string or "") if result is not None else ""
 
 
+def _pid_running(pid: int) -> bool:
+    """True if `pid` runs here; a killed worker its parent has not reaped yet is a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
     if not worker_name:
         return False
@@ -243,14 +252,7 @@ def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) 
     if w is None:
         return True  # its key expired: it stopped heart-beating long ago
     if w.hostname == socket.gethostname() and w.pid:
-        try:
-            os.kill(w.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        else:
-            return False  # alive on this host: its heartbeat age says nothing more
+        return not _pid_running(w.pid)  # on this host the pid is the truth, not the heartbeat
     hb = w.last_heartbeat
     return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
 

@@ -67,10 +67,12 @@ def _start_worker(
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
+    # Not reaped on purpose: a killed worker stays a zombie until its parent waits for it,
+    # and the reconciler must still see it as dead.
     parent = psutil.Process(proc.pid)
     for p in parent.children(recursive=True) + [parent]:
         p.send_signal(signal.SIGKILL)
-    proc.wait()
+    psutil.wait_procs(parent.children(recursive=True), timeout=10)
 
 
 @pytest.mark.slow
@@ -118,6 +120,7 @@ def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path
     assert requeued == ["t-write-1"]
     assert job.get_status(refresh=True) == JobStatus.QUEUED
 
+    w1.wait()
     w2 = _start_worker(redis_url, "w-rescue", burst=True)
     assert w2.wait(timeout=180) == 0
     assert job.get_status(refresh=True) == JobStatus.FINISHED
