@@ -257,6 +257,26 @@ def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) 
     return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
 
 
+def _enqueue_due_retries(q: Queue) -> list[str]:
+    """Move retries whose time has come from the scheduled registry into the queue.
+
+    rq's scheduler does this, but its lock belongs to whichever worker won it: when that
+    worker is the one that died, due retries wait until its lock expires. A job enqueued
+    twice by a race with the scheduler is harmless, since stages are idempotent.
+    """
+    from rq.utils import current_timestamp
+
+    reg = q.scheduled_job_registry
+    moved = []
+    for jid in reg.get_jobs_to_schedule(int(current_timestamp())):
+        job = q.fetch_job(jid)
+        reg.remove(jid)
+        if job is not None:
+            q.enqueue_job(job)
+            moved.append(jid)
+    return moved
+
+
 def reconcile(
     conn: Redis, queues: tuple[str, ...] = QUEUES, stale_after_s: float = 90
 ) -> list[str]:
@@ -291,6 +311,7 @@ def reconcile(
         if dead:
             reg.cleanup(timestamp=1)
             requeued.extend(dead)
+        requeued.extend(j for j in _enqueue_due_retries(q) if j not in requeued)
         failed = q.failed_job_registry
         for jid in failed.get_job_ids():
             job = q.fetch_job(jid)
