@@ -191,7 +191,12 @@ def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
         trainer = next(w for w in workers if "train" in w.args)
         deadline = time.monotonic() + 600
         ckpt_dir = store.root / "train"
-        while not any(ckpt_dir.rglob("training_state.pt")):
+        # A finished checkpoint, not one still being written in a `.tmp-*` folder.
+        while not [
+            p
+            for p in ckpt_dir.glob("checkpoints/*/training_state.pt")
+            if not p.parent.name.startswith(".")
+        ]:
             assert time.monotonic() < deadline, "training never wrote a checkpoint"
             assert conductor.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.5)
