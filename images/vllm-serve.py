@@ -2,7 +2,7 @@
 
 Runs inside the official vllm/vllm-openai image, with Eyrie's `shared/`, `services/` and
 `recipes/` mounted read-only on PYTHONPATH (docker-compose.yml). The command line comes from
-`services.serve.launcher.vllm_args`, the one function that builds vLLM's flags for the
+`shared.vllm.vllm_args`, the one function that builds vLLM's flags for the
 process backend, the docker backend and the tests, so the compose service and the servers
 the conductor starts can never drift apart. Mode-specific inputs come from the environment:
 
@@ -12,7 +12,7 @@ the conductor starts can never drift apart. Mode-specific inputs come from the e
   EYRIE_SERVE_DRAFT      eagle3: the exported draft folder, /data/runs/<run_id>/export/vllm
   EYRIE_SERVE_HS_DIR     extract: where hidden states are written (on the runs volume)
 
-An eagle3 start runs the same preflight as the conductor (`services.serve.preflight`) first.
+An eagle3 start runs the same preflight as the conductor (`shared.vllm.preflight_eagle3`) first.
 The server binds 0.0.0.0 on the mode's recipe port (serve.port, serve.eagle3_port); the port
 goes to PORT_FILE for the compose healthcheck. `--print` prints the command instead of
 running it. Exit code 2 and a message naming the variable on bad input.
@@ -55,13 +55,13 @@ def command() -> list[str]:
     Raises:
         SystemExit(2): a missing or bad input (message on stderr).
     """
-    from services.serve import launcher
+    from shared import vllm
     from shared.errors import EyrieError
     from shared.recipe import resolve_recipe
 
     mode = os.environ.get("VLLM_MODE", "baseline")
     try:
-        launcher.check_mode(mode)
+        vllm.check_mode(mode)
         recipe = resolve_recipe(
             _recipe_path(), shlex.split(os.environ.get("EYRIE_RECIPE_OVERRIDES", ""))
         )
@@ -72,12 +72,10 @@ def command() -> list[str]:
                     "VLLM_MODE=eagle3 needs EYRIE_SERVE_DRAFT: the exported draft folder, "
                     "/data/runs/<run_id>/export/vllm (`eyrie status` lists runs)"
                 )
-            from services.serve.preflight import preflight_eagle3
-
-            preflight_eagle3(recipe, draft, launcher.speculative_config(recipe, mode, draft))
+            vllm.preflight_eagle3(recipe, draft, vllm.speculative_config(recipe, mode, draft) or {})
         hs_dir = _optional_dir("EYRIE_SERVE_HS_DIR") or Path("/data/vllm-hidden-states")
-        port = launcher.mode_port(recipe, mode)
-        args = launcher.vllm_args(recipe, mode, draft, port, hs_dir, host="0.0.0.0")
+        port = vllm.mode_port(recipe, mode)
+        args = vllm.vllm_args(recipe, mode, draft, port, hs_dir, host="0.0.0.0")
     except EyrieError as e:
         _die(f"VLLM_MODE={mode}: {e}")
     return [*API_SERVER, *args]

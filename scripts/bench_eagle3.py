@@ -13,8 +13,7 @@ Prints each run's report table and the speedup ratios. Needs ~7 GB RAM and a few
 from __future__ import annotations
 
 import argparse
-import json
-import socket
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -22,19 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.benchdata import SMOLLM2_AUX, smollm2_path, untied_zero_head_target  # noqa: E402
 from services.conductor.cli import main as eyrie  # noqa: E402
-from services.train.draft_format import random_llama_draft  # noqa: E402
+from services.conductor.processes import free_port  # noqa: E402
+from shared.artifacts import RunStore  # noqa: E402
+from shared.draft import random_llama_draft  # noqa: E402
 from shared.recipe import resolve_recipe  # noqa: E402
-from shared.store import RunStore  # noqa: E402
-from tests.bench.acceptance_models import untied_zero_head_target  # noqa: E402
 
-AUX = [2, 15, 27]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+AUX = SMOLLM2_AUX
 
 
 def recipe_dict(name: str, target: Path, args: argparse.Namespace) -> dict:
@@ -44,7 +38,7 @@ def recipe_dict(name: str, target: Path, args: argparse.Namespace) -> dict:
         "datasets": [{"path": "unused.json"}],
         "layers": AUX,
         "draft": {"draft_vocab_size": 64},
-        "eval": {
+        "bench": {
             "num_prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "num_speculative_tokens": 3,
@@ -67,21 +61,18 @@ def run(name: str, target: Path, zero: bool, work: Path, args: argparse.Namespac
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(name, target, args)))
     store = RunStore.create(resolve_recipe(path))
-    random_llama_draft(target, store.root / "export" / "vllm", AUX, 64, zero_lm_head=zero)
+    random_llama_draft(target, store.export.vllm_draft, AUX, 64, zero_lm_head=zero)
     if eyrie(["bench", str(path), "--start"]) != 0:
         raise SystemExit(f"eyrie bench failed for {name}")
-    return json.loads((store.root / "report" / "report.json").read_text())
+    return store.report.read()
 
 
 def main() -> int:
-    import os
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    smollm2 = Path(os.environ.get("EYRIE_CACHE", Path.home() / ".cache/eyrie"))
-    smollm2 = smollm2 / "models" / "SmolLM2-135M-Instruct"
+    smollm2 = smollm2_path()
     with tempfile.TemporaryDirectory(prefix="eyrie-bench-") as tmp:
         work = Path(tmp)
         os.environ["EYRIE_DATA"] = str(work / "data")

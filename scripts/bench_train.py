@@ -1,7 +1,9 @@
 """Benchmark: Eyrie's training loop vs a minimal loop over speculators' own model, one run.
 
 Both train the same `Eagle3DraftModel` (built the same way, same seed) on the same packed
-batches of real SmolLM2 hidden states of real ShareGPT V3 samples, on CPU:
+batches of real SmolLM2 hidden states of real ShareGPT V3 samples (made by the pipeline's
+own stages, plan → prep → dedup → split → tokenize → vocab → extract, in this process), on
+CPU:
 - "minimal": batches pre-collated in memory; forward (speculators' TTT loss), backward,
   AdamW step. Nothing else.
 - "eyrie": `Trainer.train_epoch`, one step at a time, as the train stage runs it: reads
@@ -27,9 +29,51 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from scripts.benchdata import (  # noqa: E402
+    SHAREGPT,
+    SMOLLM2_AUX,
+    run_stages,
+    smollm2_path,
+    smollm2_target,
+)
+
+#: The input stages the trainer reads, run before the timing.
+INPUT_STAGES = ["plan", "prep", "dedup", "split", "tokenize", "vocab", "extract"]
+
+
+def bench_recipe(args: argparse.Namespace) -> Any:
+    """A small SmolLM2 recipe: draft vocab 2048, MLP 512, one epoch, no step checkpoints."""
+    from shared.recipe import resolve_recipe
+
+    return resolve_recipe(
+        {
+            "name": "bench-train",
+            "target": smollm2_target(smollm2_path()),
+            "datasets": [{**SHAREGPT, "max_samples": args.samples}],
+            "prep": {"max_len_tokens": args.max_len},
+            "regen": {"enabled": False},
+            "layers": SMOLLM2_AUX,
+            "extract": {"backend": "hf", "device": "cpu"},
+            "draft": {"draft_vocab_size": 2048, "intermediate_size": 512},
+            "train": {
+                "epochs": 1,
+                "lr": 1e-3,
+                "tokens_per_step": args.tokens_per_step,
+                "val_fraction": 0.125,
+                "precision": args.precision,
+                "warmup_ratio": 0.1,
+                "step_checkpoint_every": 0,
+                "noise_std": 0.05,
+                "device": "cpu",
+                "seed": 0,
+            },
+        }
+    )
 
 
 def minimal_step_s(model, opt, batch, cfg, loss_config) -> float:
@@ -61,7 +105,9 @@ def eyrie_step_s(trainer, bar) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument(
+        "--samples", type=int, default=32, help="ShareGPT rows planned (prep/tokenize drop some)"
+    )
     ap.add_argument("--max-len", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens-per-step", type=int, default=384)
@@ -73,26 +119,17 @@ def main() -> None:
     from services.train.draft_model import build_draft
     from services.train.packing import collate
     from services.train.samples import index_samples
-    from services.train.trainer import Trainer, load_vocab
+    from services.train.trainer import Trainer
+    from shared.artifacts import RunStore
     from shared.progress import Progress
-    from shared.store import cache_root
-    from tests.train.conftest import train_recipe
-    from tests.train.data import make_extract_data
 
-    smollm2 = cache_root() / "models" / "SmolLM2-135M-Instruct"
-    recipe = train_recipe(
-        smollm2,
-        epochs=1,
-        tokens_per_step=args.tokens_per_step,
-        precision=args.precision,
-        step_checkpoint_every=0,
-        noise_std=0.05,
-    )
+    recipe = bench_recipe(args)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        root = make_extract_data(Path(tmp), smollm2, n=args.samples, max_len=args.max_len)
-        index = index_samples(sorted((root / "extract").glob("shard-*")))
-        vocab = load_vocab(root / "vocab")
-        trainer = Trainer(recipe, index, vocab, Path(tmp) / "train")
+        store = RunStore.create(recipe, root=Path(tmp))
+        run_stages(store, INPUT_STAGES)
+        index = index_samples(store)
+        vocab = store.vocab.read_maps()
+        trainer = Trainer(recipe, store, index)
         plan = trainer.plans[0]
         batches = [
             collate(
@@ -133,8 +170,9 @@ def main() -> None:
         n_min = n_eye = sum(tokens) * args.rounds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
-        f"\nsamples {len(index.refs)}, steps/epoch {len(plan)}, tokens/step <= "
-        f"{args.tokens_per_step}, precision {args.precision}, rounds {args.rounds}"
+        f"\nsamples {len(index.train)} (+{len(index.val)} held out), steps/epoch {len(plan)}, "
+        f"tokens/step <= {args.tokens_per_step}, precision {args.precision}, "
+        f"rounds {args.rounds}"
     )
     print(f"minimal speculators loop: {n_min / t_min:8.1f} tokens/s")
     print(f"eyrie trainer loop:       {n_eye / t_eye:8.1f} tokens/s")

@@ -4,8 +4,9 @@ What it runs, in-process and without Redis (`eyrie stage`'s path):
   1. the environment: GPU, driver, torch/transformers versions, Eyrie's GPU-free check;
   2. a target shaped exactly like SmolLM2-135M (config + tokenizer carried, weights
      random, built on the device: no 269 MB model has to travel), saved in bf16;
-  3. the pipeline prep → dedup → tokenize → vocab → extract (hf backend on CUDA) →
-     train (CUDA, bf16 autocast, flex attention) → export (+ lint) on real sample data;
+  3. the pipeline plan → prep → dedup → split → tokenize → vocab → extract (hf backend on
+     CUDA) → train (CUDA, bf16 autocast, flex attention) → export (+ lint) on real sample
+     data;
   4. checks: captured aux states equal HF `output_hidden_states[k]` on the GPU, the loss
      falls, every export passes the lint; prints tokens/s of extraction and training.
 
@@ -34,6 +35,8 @@ SAMPLES = [
     for name in ("sharegpt_fastchat_dummy.json", "glaive_toolcall_en_demo.json")
 ]
 RESULTS: list[tuple[str, bool, str]] = []
+#: The stages run, in order (regen is off: no vLLM server on the GPU machine).
+PIPELINE = ("plan", "prep", "dedup", "split", "tokenize", "vocab", "extract", "train", "export")
 
 
 def check(name: str):
@@ -86,7 +89,7 @@ def write_recipe(run_dir: Path, target: Path, device: str) -> Path:
         "extract": {"backend": "hf", "device": device, "tokens_per_batch": 16384},
         "draft": {"draft_vocab_size": 4096},
         "train": {"epochs": 3, "lr": 3e-4, "device": device, "tokens_per_step": 4096},
-        "eval": {"num_prompts": 4},
+        "bench": {"num_prompts": 4},
     }
     path = run_dir / "gpu-check.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -124,9 +127,9 @@ def main() -> int:
             f"transformers {transformers.__version__}, {gpu}"
         )
 
-    @check("gpus free before a GPU phase (services.serve.gpu)")
+    @check("gpus free before a GPU phase (services.conductor.gpu)")
     def _free():
-        from services.serve.gpu import check_gpus_free
+        from services.conductor.gpu import check_gpus_free
 
         check_gpus_free()
         return "no GPU memory in use (or no nvidia-smi: skipped)"
@@ -156,22 +159,20 @@ def main() -> int:
             raise AssertionError(f"max abs diff per aux layer {diffs}")
         return f"exact on 256 tokens, final state shape {tuple(states.shape)}"
 
-    @check("pipeline prep..export on device")
+    @check("pipeline plan..export on device")
     def _pipeline():
-        from services.conductor.driver import plan
-        from services.conductor.stages import get_stage, shards_of
+        from shared.artifacts import RunStore
         from shared.recipe import resolve_recipe
-        from shared.store import RunStore
+        from shared.stage import execute, get_stage
 
         recipe = resolve_recipe(write_recipe(work, target, args.device))
         store = RunStore.create(recipe, command="scripts/gpu-check")
-        plan(store, recipe)
         timings = {}
-        for name in ("prep", "dedup", "tokenize", "vocab", "extract", "train", "export"):
+        for name in PIPELINE:
             stage = get_stage(name)
             t0 = time.monotonic()
-            for shard in shards_of(stage, store):
-                m = stage.load()(store, recipe, shard)
+            for shard in stage.shard_numbers(store):
+                m = execute(stage, store, shard)
                 state.setdefault(name, {}).update(m.counts)
             timings[name] = round(time.monotonic() - t0, 1)
         state["timings"] = timings
@@ -182,14 +183,12 @@ def main() -> int:
     def _results():
         store = state["store"]
         rows = [
-            json.loads(x)
-            for x in (store.root / "train" / "metrics.jsonl").read_text().splitlines()
-            if x.strip()
+            json.loads(x) for x in store.train.metrics_path.read_text().splitlines() if x.strip()
         ]
         losses = [r["loss"] for r in rows if r.get("kind") == "step"]
         if not losses or not losses[-1] < losses[0]:
             raise AssertionError(f"loss did not fall: first {losses[:1]}, last {losses[-1:]}")
-        lint = json.loads((store.root / "export" / "lint.json").read_text())
+        lint = json.loads(store.export.lint_path.read_text())
         bad = {k: v for k, v in lint.items() if not v["ok"]}
         if bad:
             raise AssertionError(f"lint problems: {bad}")

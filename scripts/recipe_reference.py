@@ -6,12 +6,17 @@ README's `<!-- recipe-reference -->` markers. tests/test_docs.py checks every fi
 
 from __future__ import annotations
 
+import argparse
+import sys
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from shared.recipe import Recipe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.recipe import Recipe  # noqa: E402
 
 
 def _sub(ann):
@@ -45,5 +50,11 @@ def table(model: type[BaseModel], prefix: str) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print("\n".join(table(Recipe, "")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,142 +1,843 @@
-"""Every on-disk artifact of a run, in one place.
+"""The run store: every path of a run, and a typed reader and writer per artifact.
 
-A run lives at `$EYRIE_DATA/runs/<run_id>/`. Each stage writes under its own folder and
-finishes by writing `manifest-<NNNNN>.json` (one per shard, `shared.store.Manifest`).
-Shard files are named `shard-<NNNNN><suffix>` (5-digit, zero-padded).
+A run lives at `$EYRIE_DATA/runs/<run_id>/`. Stages never build a path: they ask the
+`RunStore` (`store.prep.conversations(3)`, `store.vocab.read_maps()`), and a test checks
+that no service does otherwise. JSON artifacts are `shared.records` models; tensors and
+Arrow datasets are described below with their shapes and dtypes. Every write goes through
+`shared.store.atomic_path` (temp + fsync + rename, shared file modes).
 
-Run level
-    recipe.yaml, recipe.json   resolved recipe (json = canonical, what the run hash covers)
+Layout (N = shard number, `shard-NNNNN`, 5 digits; each stage folder also holds
+`manifest-NNNNN.json` per finished shard, `shared.store.Manifest`):
+
+    recipe.yaml, recipe.json   the resolved recipe (json = canonical, what the run id hashes)
     commands.log               every command that touched the run
-    plan.json                  {"num_shards": N, "datasets": [...], "shards": [[[ds, row], ...]]}
-                               which source rows each prep shard reads (services.prep.plan);
-                               also "recipe_hash", and per dataset {"name", "adapter", "rows",
-                               "selected", "load": {"file", "truncated", "error_byte_offset"?,
-                               "bad_lines"?}}
-    plan/rows-N.jsonl          the raw source rows of prep shard N, {"ds", "row", "raw"} per
-                               line (so a prep worker on any host reads only its shard)
-    timings.json               wall seconds per stage (conductor)
-
-prep/      (one job per shard, queue prep)
-    shard-N.jsonl              canonical conversations, one JSON object per line:
-                               {"id": str, "source": str, "messages": [Message], "tools": list|None}
-                               Message = {"role": "system"|"user"|"assistant"|"tool",
-                                          "content": str, "reasoning_content"?: str,
-                                          "tool_calls"?: [{"type": "function", "function":
-                                              {"name": str, "arguments": str(JSON)}}],
-                                          "name"?: str}
-    shard-N.quarantine.jsonl   {"file", "row", "field", "reason", "detail", "raw"} per
-                               quarantined row (raw cut to 2,000 characters)
-    shard-N.report.json        {"rows_in", "kept", "skipped": {reason: n}, "realigned": {...}}
-
-dedup/     (single job)
-    keep.json                  {"<shard>": [kept row indices of prep/shard-N.jsonl]} after
-                               first-prompt dedup and eval decontamination
-    report.json                {"duplicates": n, "contaminated": n, "kept": n}
-
-regen/     (one job per shard, queue regen, baseline server up)
-    shard-N.jsonl              one line per successfully regenerated conversation, sorted
-                               by "row" (its line in prep/shard-N.jsonl):
-                               {"row", "id", "source", "messages": [Message] (the k-th
-                                assistant message is the target's answer of turns[k]),
-                                "tools", "turns": [{"prompt_token_ids": [int] (as the server
-                                rendered them), "completion_token_ids": [int] (as sampled,
-                                ending with the stop token when finish_reason is "stop"),
-                                "finish_reason": str}], "stopped": "" | why it stopped early,
-                                "sampling": {temperature, top_p, max_tokens},
-                                "chat_template_kwargs": {...}, "server": {"model", "url",
-                                "fingerprint" (vLLM version), "target"}}
-    shard-N.errors.jsonl       {"row", "id", "status": "error"|"skipped", "reason",
-                                "detail"} for rows not regenerated (reasons: server_rejected;
-                                prompt_too_long, no_user_turn, tool_calls)
-    shard-N.partial.jsonl,     append-only resume points of an unfinished shard (removed
-    shard-N.partial-errors.jsonl   when the manifest is written)
-    manifest counts: input == success + error + skipped; turns, prompt_tokens,
-                     completion_tokens, finish_length, "<status>:<reason>", "stopped:<reason>"
-
-serve/     (launcher, services.serve)
-    <mode>.log                 vLLM server log of each mode started for this run
-
-tokenize/  (one job per shard, queue prep)
-    shard-N/                   HF `datasets` save_to_disk: input_ids list[int32],
-                               loss_mask list[int8] (1 = assistant-generated token),
-                               seq_len int32, id str, source str
-    shard-N.report.json        samples, tokens, assistant_tokens, per_source {src: same},
-                               rows_in, kept, truncated, "dropped:<reason>" counts,
-                               eot_appended / prompt_render_mismatch (regen input),
-                               max_len_tokens, chat_template_kwargs, input ("regen"|"prep")
-
-vocab/     (single job)
-    token_freq.npy             int64 [target_vocab]: counts over loss-masked tokens
-    d2t.npy                    int64 [draft_vocab]: offsets, target = draft + d2t[draft]
-    t2d.npy                    bool  [target_vocab]
-    coverage.json              coverage share, top left-out tokens, sizes
-                               {"coverage", "target_vocab", "draft_vocab", "assistant_tokens",
-                                "distinct_seen", "left_out_tokens", "left_out_distinct",
-                                "top_left_out": [{"id", "text", "count", "share"}]}
-    token_freq.pt              speculators' format: torch.save({target_id: count}) (ids seen)
-    teacher_coverage.json      after extract (services.train.vocab.teacher_argmax_coverage):
-                               {"teacher_argmax_coverage", "positions", "in_draft_vocab"}
-
-extract/   (one job per shard, queue extract; speculators offline layout per shard)
-    shard-N/data/              HF save_to_disk: input_ids, loss_mask, seq_len (same rows as
-                               tokenize/shard-N, same order)
-    shard-N/hidden_states/hs_<row>.safetensors
-                               hidden_states bf16 [seq_len, 3+1, H] (aux ids in order, then
-                               the final PRE-norm state); token_ids int64 [seq_len]
-    shard-N/meta.json          {"aux_layer_ids", "aux_id_convention", "final_state":
-                                "pre_norm", "target", "target_revision", "hidden_size",
-                                "dtype", "quarantined": [...]}
-                               also "pre_norm": true, "slots", "backend", "num_hidden_layers",
-                               "rows", "written_rows", "this_run" (tokens, bytes, batches,
-                               oom_retries, start/final token budget);
-                               quarantined = [{"row", "id", "reason"}]: such a row keeps its
-                               data/ row but has no hs file (speculators: on_missing=skip)
-    vllm-hidden-states/        scratch of the vllm backend's server (connector files, deleted
-                               by the client once read)
-
-train/     (single job, queue train; services/train/checkpoints.py, metrics.py)
-    checkpoints/epoch-<EEEE>/  after epoch E (1-based, 4 digits): draft.safetensors (trainable
-                               weights only, fp32, speculators names: fc, layers.0.*, norm; no
-                               target embeddings, no lm_head rows copied from the target, no
-                               verifier norm) + training_state.pt (optimizer, scheduler, RNG
-                               states, counters) + state.json {step, epoch, step_in_epoch,
-                               best, validations}; last train.keep_last kept plus the best
-    checkpoints/step-latest/   same files, rolling every train.step_checkpoint_every steps;
-                               removed once an epoch checkpoint covers it
-    metrics.jsonl              {"kind": "step", step, epoch, lr, loss, loss_<k>, acc_<k>,
-                                cond_acc_<k>, tokens, tokens_per_s, grad_norm} and
-                               {"kind": "epoch", epoch, step, val_loss, val_loss_<k>,
-                                val_acc_<k>, tau, accept_rate_per_pos, anchors, ...}
-    metrics.png                loss/accuracy per TTT step, validation simulated tau
-    best.json                  {"best": {epoch, tau, val_loss}, "validations": [...]}
-
-export/    (single job, queue train; services/train/export.py)
-    vllm/                      llama-style folder (config.json + model.safetensors with d2t, t2d)
-    speculators/               speculators save_pretrained folder (bf16), norm flags and
-                               target_hidden_size written explicitly
-    sglang/                    llama-style weights, aux ids written as k-1; config "eyrie"
-                               records aux_id_convention and eyrie_aux_layer_ids (absent, and
-                               the reason in export.json, when the first aux id is not 2)
-    lint.json                  {folder: {"ok", "problems"}} (draft_format.lint_draft_dir)
-    export.json                {"checkpoint", "written", "skipped": {folder: reason}}
-
-eval/      (shard 0 = baseline server, shard 1 = eagle3 server, queue eval)
-    shard-N.json               {"mode", "url", "model", "num_prompts", "max_tokens",
-                                "prompt_source", "second_turn", "windows": [{"temperature",
-                                "concurrency", "client": LevelResult (output_tok_s, ttft,
-                                itl, tpot, failed...), "counters": WindowDelta (drafts,
-                                draft_tokens, accepted, accepted_per_position, tau, ...)}]}
-                               (services.bench.sweep; counters are deltas over the window)
-    turn1-answers.json         {"answers": [str]} the target's greedy MT-Bench turn-1
-                               answers, first writer wins (only with eval.second_turn)
-
-report/    (single job, queue eval)
-    report.json                rows per (temperature, concurrency) with speedup, tau and
-                               acceptance; pooled tau per temperature; flags with likely
-                               causes (services.bench.report, services.bench.diagnosis)
-    report.md, speedup.png, acceptance.png
+    timings.json               wall seconds per stage (the conductor)
+    logs/                      worker and Redis logs of `eyrie demo`
+    plan/      plan.json (Plan), selection.npy int64 [selected, 2] (dataset, source row) in
+               shard order, index-DDD.npy int64 [rows, 2] byte range [start, end) of every
+               row of local dataset DDD
+    prep/      shard-N.jsonl (Conversation per line), shard-N.quarantine.jsonl
+               (QuarantinedRow), shard-N.report.json (PrepReport)
+    dedup/     shard-N.jsonl: the conversations of prep shard N that dedup kept, in order;
+               report.json (DedupReport)
+    split/     split.json (Split); heldout.jsonl: each validation conversation cut before
+               its first assistant turn (Conversation), the `heldout` benchmark prompts
+    regen/     shard-N.jsonl (RegenRecord, sorted by `row` = line in dedup/shard-N.jsonl),
+               shard-N.errors.jsonl (RegenFailure), shard-N.partial.jsonl and
+               shard-N.partial-errors.jsonl (append-only resume points, removed when done)
+    serve/     <mode>.log: the log of each vLLM server started for the run
+    tokenize/  shard-N/ HF `save_to_disk` (TokenizedShard: input_ids list[int32],
+               loss_mask list[int8] (1 = assistant-generated), seq_len int32, id str,
+               conversation_id str, source str); shard-N.report.json (counts per reason)
+    vocab/     token_freq.npy int64 [target_vocab] (counts over loss-masked tokens of the
+               training split), d2t.npy int64 [draft_vocab] (offsets: target = draft +
+               d2t[draft]), t2d.npy bool [target_vocab], coverage.json (Coverage),
+               token_freq.pt ({target id: count}, speculators' format)
+    extract/   shard-N/ in speculators' offline layout: data/ (HF save_to_disk:
+               input_ids, loss_mask, seq_len; the rows of tokenize/shard-N, same order),
+               hidden_states/hs_<row>.safetensors (hidden_states bf16 [seq_len, 3+1, H]:
+               the aux ids in order, then the final PRE-norm state; token_ids int64
+               [seq_len]), meta.json (ExtractMeta); vllm-hidden-states/ (scratch of the
+               vllm backend's server)
+    train/     checkpoints/epoch-EEEE/ and checkpoints/step-latest/ (services.train.
+               checkpoints), metrics.jsonl, metrics.png, best.json (BestCheckpoint)
+    export/    vllm/ (llama-style draft, shared.draft), speculators/, sglang/ (aux ids
+               written k-1), lint.json ({folder: {ok, problems}}), export.json
+               (ExportSummary)
+    bench/     shard-N.json: shard 0 the baseline server's sweep, shard 1 the eagle3
+               server's (services.bench.sweep); turn1-answers.json; .measure.lock
+    report/    report.json, report.md, speedup.png, acceptance.png (services.bench.report)
 """
 
-PREP_SUFFIX = ".jsonl"
-QUARANTINE_SUFFIX = ".quarantine.jsonl"
-REPORT_SUFFIX = ".report.json"
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from shared.errors import ArtifactError
+from shared.recipe import Recipe, recipe_to_yaml, resolve_recipe
+from shared.records import (
+    BestCheckpoint,
+    Conversation,
+    Coverage,
+    DedupReport,
+    ExportSummary,
+    ExtractMeta,
+    Plan,
+    PrepReport,
+    QuarantinedRow,
+    RegenFailure,
+    RegenRecord,
+    Split,
+)
+from shared.store import (
+    Manifest,
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_json,
+    data_root,
+    make_dirs,
+    sha256_tree,
+)
+
+if TYPE_CHECKING:
+    import datasets
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def shard_name(shard: int) -> str:
+    """`shard-NNNNN`: the name every per-shard artifact starts with."""
+    return f"shard-{int(shard):05d}"
+
+
+# -- generic record I/O ----------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, records: Iterable[BaseModel]) -> Path:
+    """Write records as JSON lines (unset optional keys left out), atomically."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(r.model_dump_json(exclude_none=True) + "\n")
+    return path
+
+
+def read_jsonl(path: Path, model: type[M]) -> list[M]:
+    """Every line of a JSONL artifact as `model`.
+
+    Raises:
+        ArtifactError: the file is missing (its stage has not finished) or a line does not
+            fit `model`; the message names the file and the line.
+    """
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; the stage that writes it has not finished")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(model.model_validate_json(line))
+                except ValidationError as e:
+                    raise ArtifactError(f"{path} line {lineno}: not a {model.__name__}: {e}") from e
+    return out
+
+
+def write_model(path: Path, record: BaseModel) -> Path:
+    """Write one record as indented JSON, atomically."""
+    return atomic_write_bytes(path, (record.model_dump_json(indent=2) + "\n").encode())
+
+
+def read_model(path: Path, model: type[M]) -> M:
+    """One JSON artifact as `model`.
+
+    Raises:
+        ArtifactError: missing, or not a `model`; the message names the file.
+    """
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; the stage that writes it has not finished")
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except ValidationError as e:
+        raise ArtifactError(f"{path}: not a {model.__name__}: {e}") from e
+
+
+def write_npy(path: Path, arr: np.ndarray) -> Path:
+    """Write a numpy array (no pickle), atomically."""
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def read_npy(path: Path) -> np.ndarray:
+    """A numpy array written by `write_npy`. Raises ArtifactError when missing."""
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; the stage that writes it has not finished")
+    return np.load(path, allow_pickle=False)
+
+
+# -- per-stage artifacts ---------------------------------------------------------------------
+
+
+class _Stage:
+    """Base of a stage's artifacts: its folder under the run."""
+
+    name = ""
+
+    def __init__(self, store: RunStore):
+        self.store = store
+
+    @property
+    def dir(self) -> Path:
+        """The stage's folder (not created: writers create what they write into)."""
+        return self.store.root / self.name
+
+    def _shard(self, shard: int, suffix: str) -> Path:
+        return self.dir / f"{shard_name(shard)}{suffix}"
+
+
+class PlanArtifacts(_Stage):
+    """`plan/`: the plan, the selected rows, the row index of each local dataset."""
+
+    name = "plan"
+
+    @property
+    def plan_path(self) -> Path:
+        return self.dir / "plan.json"
+
+    @property
+    def selection_path(self) -> Path:
+        return self.dir / "selection.npy"
+
+    def index_path(self, dataset: int) -> Path:
+        """`plan/index-DDD.npy`: byte range of every row of local dataset DDD."""
+        return self.dir / f"index-{dataset:03d}.npy"
+
+    def read(self) -> Plan:
+        """The plan. Raises ArtifactError when the plan stage has not run."""
+        return read_model(self.plan_path, Plan)
+
+    def num_shards(self) -> int:
+        """Prep shards of the run (the shard count of every per-shard stage)."""
+        return self.read().num_shards
+
+    def shard_rows(self, shard: int) -> np.ndarray:
+        """int64 `[rows, 2]`: (dataset index, source row) of each row of prep shard `shard`."""
+        plan = self.read()
+        sel = read_npy(self.selection_path)
+        return sel[shard * plan.shard_rows : (shard + 1) * plan.shard_rows]
+
+    def row_index(self, dataset: int) -> np.ndarray:
+        """int64 `[rows, 2]`: byte range [start, end) of each row of a local dataset."""
+        return read_npy(self.index_path(dataset))
+
+
+class PrepArtifacts(_Stage):
+    """`prep/`: canonical conversations, quarantined rows and a report per shard."""
+
+    name = "prep"
+
+    def conversations_path(self, shard: int) -> Path:
+        return self._shard(shard, ".jsonl")
+
+    def quarantine_path(self, shard: int) -> Path:
+        return self._shard(shard, ".quarantine.jsonl")
+
+    def report_path(self, shard: int) -> Path:
+        return self._shard(shard, ".report.json")
+
+    def conversations(self, shard: int) -> list[Conversation]:
+        return read_jsonl(self.conversations_path(shard), Conversation)
+
+    def write(
+        self,
+        shard: int,
+        kept: Sequence[Conversation],
+        quarantined: Sequence[QuarantinedRow],
+        report: PrepReport,
+    ) -> list[Path]:
+        """Write the shard's three files; returns their paths."""
+        return [
+            write_jsonl(self.conversations_path(shard), kept),
+            write_jsonl(self.quarantine_path(shard), quarantined),
+            write_model(self.report_path(shard), report),
+        ]
+
+
+class DedupArtifacts(_Stage):
+    """`dedup/`: the conversations kept from each prep shard, and the counts."""
+
+    name = "dedup"
+
+    def conversations_path(self, shard: int) -> Path:
+        return self._shard(shard, ".jsonl")
+
+    @property
+    def report_path(self) -> Path:
+        return self.dir / "report.json"
+
+    def conversations(self, shard: int) -> list[Conversation]:
+        """The kept conversations of prep shard `shard`, in prep order."""
+        return read_jsonl(self.conversations_path(shard), Conversation)
+
+    def write(self, kept: dict[int, list[Conversation]], report: DedupReport) -> list[Path]:
+        files = [write_jsonl(self.conversations_path(s), rows) for s, rows in sorted(kept.items())]
+        return files + [write_model(self.report_path, report)]
+
+
+class SplitArtifacts(_Stage):
+    """`split/`: the validation conversations and their benchmark prompts."""
+
+    name = "split"
+
+    @property
+    def split_path(self) -> Path:
+        return self.dir / "split.json"
+
+    @property
+    def heldout_path(self) -> Path:
+        return self.dir / "heldout.jsonl"
+
+    def read(self) -> Split:
+        return read_model(self.split_path, Split)
+
+    def val_ids(self) -> set[str]:
+        """Conversation ids held out from training."""
+        return set(self.read().val_ids)
+
+    def heldout_prompts(self) -> list[Conversation]:
+        return read_jsonl(self.heldout_path, Conversation)
+
+    def write(self, split: Split, prompts: Sequence[Conversation]) -> list[Path]:
+        return [write_model(self.split_path, split), write_jsonl(self.heldout_path, prompts)]
+
+
+class RegenArtifacts(_Stage):
+    """`regen/`: regenerated conversations, failures, and the resume points."""
+
+    name = "regen"
+
+    def records_path(self, shard: int) -> Path:
+        return self._shard(shard, ".jsonl")
+
+    def errors_path(self, shard: int) -> Path:
+        return self._shard(shard, ".errors.jsonl")
+
+    def partial_path(self, shard: int) -> Path:
+        return self._shard(shard, ".partial.jsonl")
+
+    def partial_errors_path(self, shard: int) -> Path:
+        return self._shard(shard, ".partial-errors.jsonl")
+
+    def records(self, shard: int) -> list[RegenRecord]:
+        return read_jsonl(self.records_path(shard), RegenRecord)
+
+    def write(
+        self, shard: int, ok: Sequence[RegenRecord], bad: Sequence[RegenFailure]
+    ) -> list[Path]:
+        """Write the shard's outputs sorted by row; returns their paths."""
+        return [
+            write_jsonl(self.records_path(shard), sorted(ok, key=attrgetter("row"))),
+            write_jsonl(self.errors_path(shard), sorted(bad, key=attrgetter("row"))),
+        ]
+
+    def read_resume(self, shard: int) -> tuple[list[RegenRecord], list[RegenFailure]]:
+        """What an unfinished shard already has (its resume files).
+
+        After a kill between writing the outputs and the manifest, the outputs themselves.
+        A torn last line (hard kill mid-write) is cut off.
+        """
+        if not self.partial_path(shard).is_file() and self.records_path(shard).is_file():
+            return self.records(shard), read_jsonl(self.errors_path(shard), RegenFailure)
+        return (
+            [RegenRecord.model_validate_json(x) for x in _durable_lines(self.partial_path(shard))],
+            [
+                RegenFailure.model_validate_json(x)
+                for x in _durable_lines(self.partial_errors_path(shard))
+            ],
+        )
+
+    def remove_partial(self, shard: int) -> None:
+        for p in (self.partial_path(shard), self.partial_errors_path(shard)):
+            p.unlink(missing_ok=True)
+
+
+def _durable_lines(path: Path) -> list[bytes]:
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "rb+") as f:
+            f.truncate(end)
+    return [line for line in data[:end].splitlines() if line.strip()]
+
+
+@dataclass
+class TokenizedSample:
+    """One training row: a conversation rendered, tokenized and masked.
+
+    Attributes:
+        id: the sample id (the conversation id, or `<conversation id>#<turn>` when one
+            conversation gives several samples).
+        conversation_id: the conversation it comes from (what the split holds out).
+        source: the dataset name.
+        input_ids: token ids, `list[int]` of length n.
+        loss_mask: 0/1 per token, length n; 1 = the assistant generated it.
+    """
+
+    id: str
+    conversation_id: str
+    source: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+TOKENIZED_COLUMNS = ("input_ids", "loss_mask", "seq_len", "id", "conversation_id", "source")
+#: The columns speculators' offline data format reads.
+SPECULATORS_COLUMNS = ("input_ids", "loss_mask", "seq_len")
+
+
+class TokenizeArtifacts(_Stage):
+    """`tokenize/`: one HF dataset of `TokenizedSample` rows and a report per shard."""
+
+    name = "tokenize"
+
+    def dataset_path(self, shard: int) -> Path:
+        return self._shard(shard, "")
+
+    def report_path(self, shard: int) -> Path:
+        return self._shard(shard, ".report.json")
+
+    def write(
+        self, shard: int, samples: Sequence[TokenizedSample], report: dict[str, Any]
+    ) -> list[Path]:
+        """Write the shard's dataset and report.
+
+        The dataset fingerprint hashes its content, so equal samples give byte-identical
+        folders whichever worker wrote them.
+        """
+        import hashlib
+
+        import datasets
+        import pyarrow as pa
+
+        table = pa.table(
+            {
+                "input_ids": pa.array([s.input_ids for s in samples], pa.list_(pa.int32())),
+                "loss_mask": pa.array([s.loss_mask for s in samples], pa.list_(pa.int8())),
+                "seq_len": pa.array([len(s.input_ids) for s in samples], pa.int32()),
+                "id": pa.array([s.id for s in samples], pa.string()),
+                "conversation_id": pa.array([s.conversation_id for s in samples], pa.string()),
+                "source": pa.array([s.source for s in samples], pa.string()),
+            }
+        )
+        h = hashlib.sha256()
+        for s in samples:
+            h.update(f"{s.id}\0{s.source}\0{s.input_ids}\0{s.loss_mask}\n".encode())
+        ds = datasets.Dataset(table, fingerprint=h.hexdigest()[:16])
+        path = self.dataset_path(shard)
+        with atomic_path(path) as tmp:
+            ds.save_to_disk(str(tmp))
+        return [path, atomic_write_json(self.report_path(shard), report)]
+
+    def dataset(self, shard: int) -> datasets.Dataset:
+        """The shard's dataset (python-object format).
+
+        Raises:
+            ArtifactError: missing, or a column is missing; the message names both.
+        """
+        from datasets import load_from_disk
+
+        path = self.dataset_path(shard)
+        if not path.is_dir():
+            raise ArtifactError(f"{path}: tokenized shard {shard} not found; run tokenize")
+        ds = load_from_disk(str(path))
+        missing = [c for c in TOKENIZED_COLUMNS if c not in ds.column_names]
+        if missing:
+            raise ArtifactError(f"{path}: columns {missing} missing (got {ds.column_names})")
+        return ds.with_format(None)
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every shard's report, in shard order."""
+        n = self.store.plan.num_shards()
+        return [json.loads(self.report_path(s).read_text()) for s in range(n)]
+
+
+class VocabArtifacts(_Stage):
+    """`vocab/`: token counts, the draft vocabulary maps and the coverage report."""
+
+    name = "vocab"
+
+    @property
+    def freq_path(self) -> Path:
+        return self.dir / "token_freq.npy"
+
+    @property
+    def d2t_path(self) -> Path:
+        return self.dir / "d2t.npy"
+
+    @property
+    def t2d_path(self) -> Path:
+        return self.dir / "t2d.npy"
+
+    @property
+    def coverage_path(self) -> Path:
+        return self.dir / "coverage.json"
+
+    @property
+    def speculators_freq_path(self) -> Path:
+        return self.dir / "token_freq.pt"
+
+    def write(
+        self, freq: np.ndarray, d2t: np.ndarray, t2d: np.ndarray, coverage: Coverage
+    ) -> list[Path]:
+        """Write every vocab file (speculators' `token_freq.pt` too); returns the paths."""
+        import torch
+
+        files = [
+            write_npy(self.freq_path, freq),
+            write_npy(self.d2t_path, d2t),
+            write_npy(self.t2d_path, t2d),
+        ]
+        with atomic_path(self.speculators_freq_path) as tmp:
+            torch.save({int(i): int(freq[i]) for i in np.nonzero(freq)[0]}, tmp)
+        return files + [self.speculators_freq_path, write_model(self.coverage_path, coverage)]
+
+    def read_maps(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(d2t int64 [draft_vocab], t2d bool [target_vocab])`.
+
+        Raises:
+            ArtifactError: the vocab stage has not run.
+        """
+        return read_npy(self.d2t_path).astype(np.int64), read_npy(self.t2d_path).astype(bool)
+
+    def coverage(self) -> Coverage:
+        return read_model(self.coverage_path, Coverage)
+
+
+class ExtractArtifacts(_Stage):
+    """`extract/`: per shard the rows, one hidden-state file per row, and meta.json."""
+
+    name = "extract"
+    HS_DIR = "hidden_states"
+
+    def shard_dir(self, shard: int) -> Path:
+        return self._shard(shard, "")
+
+    def data_path(self, shard: int) -> Path:
+        return self.shard_dir(shard) / "data"
+
+    def hs_dir(self, shard: int) -> Path:
+        return self.shard_dir(shard) / self.HS_DIR
+
+    def hs_path(self, shard: int, row: int) -> Path:
+        """`hidden_states/hs_<row>.safetensors` (speculators' offline name)."""
+        return self.hs_dir(shard) / f"hs_{row}.safetensors"
+
+    def meta_path(self, shard: int) -> Path:
+        return self.shard_dir(shard) / "meta.json"
+
+    @property
+    def vllm_scratch(self) -> Path:
+        """Where the vllm backend's extract-mode server writes its files."""
+        return self.dir / "vllm-hidden-states"
+
+    def shards(self) -> list[int]:
+        """The shards with finished output (a manifest), ascending."""
+        return [m.shard for m in self.store.manifests(self.name)]
+
+    def meta(self, shard: int) -> ExtractMeta:
+        return read_model(self.meta_path(shard), ExtractMeta)
+
+    def write_meta(self, shard: int, meta: ExtractMeta) -> Path:
+        return write_model(self.meta_path(shard), meta)
+
+    def data(self, shard: int) -> datasets.Dataset:
+        """The shard's rows (input_ids, loss_mask, seq_len), python-object format."""
+        from datasets import load_from_disk
+
+        path = self.data_path(shard)
+        if not path.is_dir():
+            raise ArtifactError(f"{path}: missing (extract shard {shard} did not finish)")
+        return load_from_disk(str(path)).with_format(None)
+
+    def write_data(self, shard: int, rows: datasets.Dataset) -> Path:
+        """Write the shard's rows (only speculators' columns) once; later calls keep them."""
+        path = self.data_path(shard)
+        if not path.is_dir():
+            with atomic_path(path) as tmp:
+                rows.select_columns(list(SPECULATORS_COLUMNS)).save_to_disk(str(tmp))
+        return path
+
+
+class TrainArtifacts(_Stage):
+    """`train/`: checkpoints, metrics and the best epoch."""
+
+    name = "train"
+
+    #: Files of one checkpoint folder (services.train.checkpoints writes and reads them).
+    CHECKPOINT_WEIGHTS = "draft.safetensors"
+    CHECKPOINT_STATE = "training_state.pt"
+    CHECKPOINT_STATE_JSON = "state.json"
+    STEP_LATEST = "step-latest"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    def epoch_dir(self, epoch: int) -> Path:
+        """`checkpoints/epoch-EEEE` for the 1-based finished epoch."""
+        return self.checkpoints_dir / f"epoch-{epoch:04d}"
+
+    @property
+    def step_dir(self) -> Path:
+        """`checkpoints/step-latest`: the rolling mid-epoch checkpoint."""
+        return self.checkpoints_dir / self.STEP_LATEST
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def plot_path(self) -> Path:
+        return self.dir / "metrics.png"
+
+    @property
+    def best_path(self) -> Path:
+        return self.dir / "best.json"
+
+    def write_best(self, best: BestCheckpoint) -> Path:
+        return write_model(self.best_path, best)
+
+
+class ExportArtifacts(_Stage):
+    """`export/`: the served draft folders, their lint and what was written."""
+
+    name = "export"
+    FOLDERS = ("vllm", "speculators", "sglang")
+
+    def folder(self, name: str) -> Path:
+        """`export/<name>/` for name in FOLDERS."""
+        if name not in self.FOLDERS:
+            raise ArtifactError(f"unknown export folder {name!r}; known: {self.FOLDERS}")
+        return self.dir / name
+
+    @property
+    def vllm_draft(self) -> Path:
+        """The draft an eagle3 server loads: the llama-style folder."""
+        return self.folder("vllm")
+
+    @property
+    def lint_path(self) -> Path:
+        return self.dir / "lint.json"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.dir / "export.json"
+
+    def write_lint(self, results: dict[str, list[str]]) -> Path:
+        """`{folder: {"ok": bool, "problems": [...]}}`."""
+        return atomic_write_json(
+            self.lint_path, {k: {"ok": not v, "problems": v} for k, v in results.items()}
+        )
+
+    def write_summary(self, summary: ExportSummary) -> Path:
+        return write_model(self.summary_path, summary)
+
+
+class BenchArtifacts(_Stage):
+    """`bench/`: one server's sweep per shard, turn-1 answers, the measurement lock."""
+
+    name = "bench"
+
+    def shard_path(self, shard: int) -> Path:
+        return self._shard(shard, ".json")
+
+    @property
+    def turn1_path(self) -> Path:
+        return self.dir / "turn1-answers.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.dir / ".measure.lock"
+
+    def write_shard(self, shard: int, result: dict[str, Any]) -> Path:
+        return atomic_write_json(self.shard_path(shard), result)
+
+    def read_shard(self, shard: int) -> dict[str, Any]:
+        path = self.shard_path(shard)
+        if not path.is_file():
+            raise ArtifactError(f"{path}: bench shard {shard} has not run")
+        result: dict[str, Any] = json.loads(path.read_text())
+        return result
+
+
+class ReportArtifacts(_Stage):
+    """`report/`: the benchmark report as JSON, Markdown and plots."""
+
+    name = "report"
+
+    @property
+    def json_path(self) -> Path:
+        return self.dir / "report.json"
+
+    @property
+    def markdown_path(self) -> Path:
+        return self.dir / "report.md"
+
+    @property
+    def speedup_plot(self) -> Path:
+        return self.dir / "speedup.png"
+
+    @property
+    def acceptance_plot(self) -> Path:
+        return self.dir / "acceptance.png"
+
+    def read(self) -> dict[str, Any]:
+        if not self.json_path.is_file():
+            raise ArtifactError(f"{self.json_path}: the run has no report yet")
+        report: dict[str, Any] = json.loads(self.json_path.read_text())
+        return report
+
+
+class ServeArtifacts(_Stage):
+    """`serve/`: the logs of the vLLM servers started for the run."""
+
+    name = "serve"
+
+    def log_path(self, mode: str) -> Path:
+        return self.dir / f"{mode}.log"
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+class RunStore:
+    """One run's folder, `<data_root>/runs/<run_id>/`, and its artifacts by stage.
+
+    Args:
+        run_id: the sanitized run id (`Recipe.run_id()`).
+        root: the data root; default `shared.store.data_root()`.
+    """
+
+    def __init__(self, run_id: str, root: Path | None = None):
+        self.run_id = run_id
+        self.root = (root or data_root()) / "runs" / run_id
+        self.plan = PlanArtifacts(self)
+        self.prep = PrepArtifacts(self)
+        self.dedup = DedupArtifacts(self)
+        self.split = SplitArtifacts(self)
+        self.regen = RegenArtifacts(self)
+        self.tokenize = TokenizeArtifacts(self)
+        self.vocab = VocabArtifacts(self)
+        self.extract = ExtractArtifacts(self)
+        self.train = TrainArtifacts(self)
+        self.export = ExportArtifacts(self)
+        self.bench = BenchArtifacts(self)
+        self.report = ReportArtifacts(self)
+        self.serve = ServeArtifacts(self)
+
+    # -- creation and the recipe -------------------------------------------------------------
+    @classmethod
+    def at(cls, folder: Path) -> RunStore:
+        """The run in `folder`, wherever it lies (also a run folder copied out of a data root)."""
+        folder = Path(folder)
+        store = cls(folder.name, folder.parent.parent)
+        store.root = folder
+        return store
+
+    @classmethod
+    def create(cls, recipe: Recipe, command: str = "", root: Path | None = None) -> RunStore:
+        """Create (or reopen) the run folder; write the recipe and log the command."""
+        store = cls(recipe.run_id(), root)
+        make_dirs(store.root)
+        atomic_write_bytes(store.recipe_yaml, recipe_to_yaml(recipe).encode())
+        atomic_write_bytes(store.recipe_json, recipe.canonical_json().encode())
+        if command:
+            with open(store.root / "commands.log", "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {command}\n")
+        return store
+
+    @property
+    def recipe_json(self) -> Path:
+        return self.root / "recipe.json"
+
+    @property
+    def recipe_yaml(self) -> Path:
+        return self.root / "recipe.yaml"
+
+    @property
+    def timings_path(self) -> Path:
+        return self.root / "timings.json"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    def exists(self) -> bool:
+        """Whether the run has been created (its resolved recipe is stored)."""
+        return self.recipe_json.is_file()
+
+    def recipe(self) -> Recipe:
+        """The resolved recipe stored with the run (what every job reads).
+
+        Raises:
+            ArtifactError: the run does not exist, or its recipe hashes to another run id.
+        """
+        if not self.recipe_json.is_file():
+            raise ArtifactError(f"{self.recipe_json}: run {self.run_id!r} does not exist")
+        recipe = resolve_recipe(json.loads(self.recipe_json.read_text()))
+        if recipe.run_id() != self.run_id:
+            raise ArtifactError(
+                f"{self.recipe_json}: recipe hashes to run {recipe.run_id()!r}, not {self.run_id!r}"
+            )
+        return recipe
+
+    def timings(self) -> dict[str, float]:
+        """Wall seconds per finished stage."""
+        p = self.timings_path
+        return json.loads(p.read_text()) if p.is_file() else {}
+
+    def write_timings(self, timings: dict[str, float]) -> Path:
+        return atomic_write_json(self.timings_path, timings)
+
+    # -- manifests -----------------------------------------------------------------------------
+    def stage_dir(self, stage: str) -> Path:
+        """`<run>/<stage>/`: for the stage machinery (`shared.stage`), not stage bodies."""
+        return self.root / stage
+
+    def manifest_path(self, stage: str, shard: int = 0) -> Path:
+        return self.stage_dir(stage) / f"manifest-{int(shard):05d}.json"
+
+    def is_done(self, stage: str, shard: int = 0) -> bool:
+        return self.manifest_path(stage, shard).is_file()
+
+    def write_manifest(
+        self,
+        stage: str,
+        shard: int,
+        counts: dict[str, int],
+        files: Sequence[Path] = (),
+        extra: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Hash `files`, then write the manifest atomically: the shard is now done."""
+        sdir = self.stage_dir(stage)
+        hashes = {str(Path(f).relative_to(sdir)): sha256_tree(Path(f)) for f in files}
+        m = Manifest(
+            run_id=self.run_id,
+            stage=stage,
+            shard=int(shard),
+            counts={k: int(v) for k, v in counts.items()},
+            files=hashes,
+            recipe_hash=self.recipe().recipe_hash(),
+            extra=extra or {},
+        )
+        atomic_write_json(self.manifest_path(stage, shard), m.to_json())
+        return m
+
+    def read_manifest(self, stage: str, shard: int = 0) -> Manifest:
+        path = self.manifest_path(stage, shard)
+        if not path.is_file():
+            raise ArtifactError(f"{path}: stage {stage!r} shard {shard} has not finished")
+        return Manifest(**json.loads(path.read_text()))
+
+    def manifests(self, stage: str) -> list[Manifest]:
+        """All manifests of a stage, by shard."""
+        d = self.stage_dir(stage)
+        return [Manifest(**json.loads(p.read_text())) for p in sorted(d.glob("manifest-*.json"))]
+
+
+def list_runs(root: Path | None = None) -> list[str]:
+    """Run ids under the data root, sorted."""
+    runs = (root or data_root()) / "runs"
+    return sorted(p.parent.name for p in runs.glob("*/recipe.json")) if runs.is_dir() else []

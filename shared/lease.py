@@ -1,14 +1,18 @@
 """The GPU lease: which pipeline phase owns the node's GPUs, held in Redis.
 
-On one node the baseline vLLM server (regen), the extractor, the trainer and the eval
+On one node the baseline vLLM server (regen), the extractor, the trainer and the bench
 servers cannot all hold the GPUs at once, so GPU phases take turns. A phase takes the lease
-before it starts and releases it when it ends; the next phase waits. The lease has a TTL
-that a holder thread renews, so a dead conductor does not block the node forever.
+before it starts and releases it when it ends; the next phase waits. The lease is a redis-py
+`Lock` whose value is the holder's record (so `eyrie status` and error messages can name
+it) and whose TTL a holder thread renews, so a dead conductor does not block the node for
+longer than the TTL. A renewal that fails because Redis is briefly away is retried; the
+lease is only lost if its TTL runs out meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -18,25 +22,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from redis import Redis
+from redis.exceptions import LockError, RedisError
 
 from shared.errors import ServiceUnavailableError
 
 LEASE_KEY = "eyrie:gpu-lease"
 
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
-_RENEW = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
-return 0
-"""
+log = logging.getLogger("eyrie.lease")
 
 
 def current_holder(conn: Redis) -> dict | None:
-    """The lease's holder record `{phase, run_id, owner, since}`, or None when free."""
+    """The lease's holder record `{phase, run_id, token, owner, since}`, or None when free."""
     raw = conn.get(LEASE_KEY)
-    return json.loads(raw) if raw else None
+    return json.loads(raw) if raw else None  # type: ignore[arg-type]
 
 
 @contextmanager
@@ -53,6 +51,7 @@ def gpu_lease(
     Args:
         ttl_s: lease lifetime without renewal; a daemon thread renews it every ttl_s/3.
         wait_s: how long to wait for the current holder to release.
+        poll_s: seconds between attempts while another phase holds it.
 
     Raises:
         ServiceUnavailableError: the lease stayed taken for `wait_s` seconds; the message
@@ -65,20 +64,23 @@ def gpu_lease(
         "owner": f"{socket.gethostname()}:{os.getpid()}",
         "since": time.time(),
     }
-    value = json.dumps(record)
-    deadline = time.monotonic() + wait_s
-    while not conn.set(LEASE_KEY, value, nx=True, px=int(ttl_s * 1000)):
-        if time.monotonic() > deadline:
-            raise ServiceUnavailableError(
-                f"GPU lease for phase {phase!r} not granted within {wait_s:.0f}s; "
-                f"held by {current_holder(conn)}"
-            )
-        time.sleep(poll_s)
+    lock = conn.lock(LEASE_KEY, timeout=ttl_s, sleep=poll_s, thread_local=False)
+    if not lock.acquire(blocking_timeout=wait_s, token=json.dumps(record)):
+        raise ServiceUnavailableError(
+            f"GPU lease for phase {phase!r} not granted within {wait_s:.0f}s; "
+            f"held by {current_holder(conn)}"
+        )
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(ttl_s / 3):
-            conn.eval(_RENEW, 1, LEASE_KEY, value, int(ttl_s * 1000))
+            try:
+                lock.reacquire()
+            except RedisError as e:  # Redis briefly away: the TTL gives time to retry
+                log.warning("GPU lease %s: renewal failed (%s); retrying", phase, e)
+            except LockError:
+                log.error("GPU lease %s was lost (expired or taken over)", phase)
+                return
 
     t = threading.Thread(target=renew, daemon=True, name=f"lease-{phase}")
     t.start()
@@ -87,4 +89,7 @@ def gpu_lease(
     finally:
         stop.set()
         t.join(timeout=5)
-        conn.eval(_RELEASE, 1, LEASE_KEY, value)
+        try:
+            lock.release()
+        except (LockError, RedisError) as e:
+            log.warning("GPU lease %s: release failed (%s); it expires in %.0fs", phase, e, ttl_s)

@@ -34,13 +34,14 @@ from shared.errors import ConfigError, ServiceUnavailableError
 
 #: Every queue Eyrie uses. Extraction and training never share a queue, so neither worker
 #: takes the other's job.
-QUEUES = ("prep", "regen", "extract", "train", "eval")
+QUEUES = ("prep", "regen", "extract", "train", "bench")
 
 #: Queues whose workers hold a model for their whole life: rq's non-forking SimpleWorker.
 NON_FORKING_QUEUES = frozenset({"extract", "train"})
 
-#: The one job function every stage job runs; it dispatches on the payload's stage.
-JOB_FUNC = "services.conductor.jobs.run_stage_job"
+#: The one job function every stage job runs; it dispatches on the payload's stage
+#: (`shared.stage.run_stage_job`). Workers refuse every other function.
+JOB_FUNC = "shared.stage.run_stage_job"
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -95,6 +96,31 @@ def job_id(run_id: str, stage: str, shard: int) -> str:
     if not _JOB_ID_OK.match(jid):
         raise ConfigError(f"job id {jid!r}: only letters, digits, '_' and '-' are allowed")
     return jid
+
+
+def validate_payload(run_id: object, stage: object, shard: object) -> tuple[str, str, int]:
+    """Check a job payload before anything acts on it: a run id, a known stage, a shard.
+
+    The shard's range is checked against the run when the stage executes.
+
+    Raises:
+        ConfigError: naming the field that is wrong.
+    """
+    from shared.recipe import check_run_id
+    from shared.stage import get_stage
+
+    check_run_id(run_id)  # type: ignore[arg-type]
+    if not isinstance(stage, str):
+        raise ConfigError(f"job payload stage: expected a stage name (got {stage!r:.80})")
+    get_stage(stage)
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+        raise ConfigError(f"job payload shard: expected an integer >= 0 (got {shard!r:.80})")
+    return str(run_id), stage, shard
+
+
+def queue_drained(name: str, conn: Redis) -> bool:
+    """Whether queue `name` holds no job waiting to start."""
+    return len(get_queue(name, conn)) == 0
 
 
 def get_queue(name: str, conn: Redis) -> Queue:
@@ -231,6 +257,26 @@ def failure_text(job: Job) -> str:
     """The traceback (or rq's failure note) of a failed job's latest run, or ''."""
     result = job.latest_result()
     return (result.exc_string or "") if result is not None else ""
+
+
+#: How to inspect Eyrie's queues with rq's own CLI: its default serializer is pickle, which
+#: would unpickle what Redis holds. Never run a plain `rq worker` or `rq info` on them.
+RQ_CLI_FLAGS = "--serializer rq.serializers.JSONSerializer"
+
+
+def failed_reason(conn: Redis, queue: str, run_id: str, stage: str, shard: int) -> str | None:
+    """Why a stage shard's job failed for good, or None (not failed, or being retried).
+
+    A job abandoned by a dead worker is not a failure here: the reconciler requeues it.
+    """
+    job = get_queue(queue, conn).fetch_job(job_id(run_id, stage, shard))
+    if job is None or job.get_status(refresh=True) != JobStatus.FAILED:
+        return None
+    text = failure_text(job)
+    if "AbandonedJobError" in text:
+        return None
+    tail = " | ".join(text.strip().splitlines()[-3:])
+    return f"{tail}\n  (full traceback: `rq info {RQ_CLI_FLAGS}`, job {job.id})"
 
 
 def _pid_running(pid: int) -> bool:

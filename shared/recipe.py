@@ -26,6 +26,9 @@ from shared.errors import ConfigError
 
 DType = Literal["bfloat16", "float16", "float32"]
 
+#: Longest recipe name; the run id adds `-` and 8 hex digits of the recipe hash.
+MAX_NAME_CHARS = 64
+
 
 class Section(BaseModel):
     """Base for every recipe section: strict keys, validated on assignment."""
@@ -48,7 +51,7 @@ class TargetConfig(Section):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra kwargs for apply_chat_template (e.g. enable_thinking); the same "
-        "kwargs are used by regen, tokenize and eval.",
+        "kwargs are used by regen, tokenize and bench.",
     )
     num_hidden_layers: int | None = Field(
         None, gt=0, description="Expected decoder layer count; checked against config.json."
@@ -79,6 +82,11 @@ class DatasetSpec(Section):
     )
     weight: float = Field(
         1.0, gt=0, description="Relative share when the mix is capped by prep.max_samples."
+    )
+    allow_truncated: bool = Field(
+        False,
+        description="Use the complete rows of a file that is cut off mid-record (else the "
+        "plan refuses it, naming the byte offset).",
     )
 
     @model_validator(mode="after")
@@ -212,7 +220,7 @@ class TrainConfig(Section):
     )
 
 
-class EvalConfig(Section):
+class BenchConfig(Section):
     """The acceptance and throughput benchmark."""
 
     prompt_set: Literal["mtbench", "heldout"] = Field(
@@ -270,7 +278,11 @@ class ServeConfig(Section):
 class Recipe(Section):
     """A whole run: target, data, and every stage's settings."""
 
-    name: str = Field(description="Recipe name; the run id is this plus a hash. Required.")
+    name: str = Field(
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="Recipe name; the run id is this plus a hash. Required.",
+    )
     description: str = Field("", description="Free text shown by `eyrie status`.")
     target: TargetConfig = Field(description="The target (verifier) model. Required.")
     datasets: list[DatasetSpec] = Field(description="Input datasets (at least one). Required.")
@@ -284,7 +296,9 @@ class Recipe(Section):
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description="Extraction.")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft architecture.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Benchmark.")
+    bench: BenchConfig = Field(
+        default_factory=BenchConfig, description="Benchmark of the served draft."
+    )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="vLLM servers.")
 
     @field_validator("datasets")
@@ -318,17 +332,37 @@ class Recipe(Section):
 
 
 _ID_BAD = re.compile(r"[^A-Za-z0-9_-]+")
+#: A run id: starts with a letter or digit (never `-`, which a command line would take for
+#: an option), then letters, digits, `_` and `-` (rq's job-id alphabet), capped in length.
+RUN_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_NAME_CHARS + 8}}}$")
 
 
 def sanitize_id(text: str) -> str:
     """Map `text` into rq's job-id alphabet: runs of other characters become `_`.
 
-    `kimi-k2.5` → `kimi-k2_5`. Raises ConfigError if nothing usable is left.
+    `kimi-k2.5` → `kimi-k2_5`; leading `-` and `_` are dropped.
+
+    Raises:
+        ConfigError: nothing usable is left.
     """
-    out = _ID_BAD.sub("_", text).strip("_")
+    out = _ID_BAD.sub("_", text).strip("_").lstrip("-_")
     if not out:
         raise ConfigError(f"cannot build an id from {text!r}: no letters or digits")
     return out
+
+
+def check_run_id(run_id: str) -> str:
+    """Return `run_id` if it has the shape `Recipe.run_id()` gives.
+
+    Raises:
+        ConfigError: it does not (wrong characters, leading `-`, or too long).
+    """
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+        raise ConfigError(
+            f"run id {str(run_id)[:80]!r}: expected letters, digits, '_' and '-', starting "
+            f"with a letter or digit, at most {MAX_NAME_CHARS + 9} characters"
+        )
+    return run_id
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:

@@ -1,12 +1,16 @@
-"""The run store on the shared volume: `$EYRIE_DATA/runs/<run_id>/<stage>/...`.
+"""Durable writes on the shared volume: atomic files and folders, manifests, hashes.
 
-Invariants:
-- every write is atomic: a temp file in the same folder, fsync, rename (`atomic_path`);
-- a stage shard is done exactly when its manifest exists (`Manifest`); the manifest is
-  written last, after every file it lists;
-- the code creates every directory it writes into.
+Invariants every writer in Eyrie relies on:
+- a write is atomic: a temp file or folder in the same folder, fsync, rename
+  (`atomic_path`), so a reader never sees half an artifact and a hard kill leaves at most a
+  `.tmp-*` sibling, which no reader opens and `sweep_temps` removes;
+- what Eyrie writes is readable by the other services: file modes follow the process umask
+  (0666 & ~umask, folders 0777 & ~umask), also for libraries that create files 0600
+  (safetensors, `save_pretrained`), because the services run as different users in
+  different containers;
+- a stage shard is done exactly when its manifest exists (`Manifest`); it is written last.
 
-The layout of each stage's files is documented in `shared/artifacts.py`.
+Where each artifact lives is `shared.artifacts`; this module knows no run layout.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any
 
 from shared import __version__
 from shared.errors import ArtifactError, ConfigError
-from shared.recipe import Recipe, recipe_to_yaml, resolve_recipe
+
+TEMP_PREFIX = ".tmp-"
 
 
 def data_root() -> Path:
@@ -38,6 +43,31 @@ def cache_root() -> Path:
     return Path(os.environ.get("EYRIE_CACHE", Path.home() / ".cache" / "eyrie")).resolve()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def share_modes(path: Path) -> None:
+    """Give `path` (and everything under it) the umask's default modes.
+
+    Libraries such as safetensors write 0600 files; on a volume shared by services running
+    as other users those files would be unreadable. Symbolic links are left alone.
+    """
+    mask = _umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    if path.is_symlink():
+        return
+    if path.is_dir():
+        os.chmod(path, dir_mode)
+        for p in path.rglob("*"):
+            if not p.is_symlink():
+                os.chmod(p, dir_mode if p.is_dir() else file_mode)
+    elif path.exists():
+        os.chmod(path, file_mode)
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -47,18 +77,29 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def make_dirs(path: Path) -> Path:
+    """`mkdir -p` with the umask's modes (the code creates every folder it writes into)."""
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path | str) -> Iterator[Path]:
     """Yield a temp path next to `final`; on success fsync it and rename it over `final`.
 
     Works for files and folders (e.g. `datasets.save_to_disk`): whatever the caller creates
-    at the yielded path is moved into place in one rename. On error the temp is removed, so a
-    reader never sees a partial `final`. A hard kill may leave a `.tmp-*` sibling, which is
-    never read and is swept by `sweep_temps`.
+    at the yielded path is moved into place in one rename, with shared modes
+    (`share_modes`). On error the temp is removed, so a reader never sees a partial `final`.
+    A hard kill may leave a `.tmp-<name>-*` sibling, which is never read and is swept by
+    `sweep_temps`.
+
+    Raises:
+        ArtifactError: the caller created nothing at the yielded path.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent)) / final.name
+    make_dirs(final.parent)
+    holder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
+    tmp = holder / final.name
     try:
         yield tmp
         if tmp.is_file():
@@ -66,9 +107,10 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
                 os.fsync(f.fileno())
         elif not tmp.exists():
             raise ArtifactError(f"{final}: the writer created nothing at {tmp}")
+        share_modes(tmp)
         if final.is_dir() and tmp.is_dir():
             # A folder cannot be renamed over a non-empty folder: move the old one aside.
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            old = final.with_name(f"{TEMP_PREFIX}old-{final.name}-{os.getpid()}")
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
@@ -76,7 +118,7 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
     finally:
-        shutil.rmtree(tmp.parent, ignore_errors=True)
+        shutil.rmtree(holder, ignore_errors=True)
 
 
 def atomic_write_bytes(final: Path | str, data: bytes) -> Path:
@@ -87,14 +129,22 @@ def atomic_write_bytes(final: Path | str, data: bytes) -> Path:
 
 
 def atomic_write_json(final: Path | str, obj: Any) -> Path:
-    """Write `obj` as indented JSON atomically."""
+    """Write `obj` as indented, key-sorted JSON atomically. Returns `final`."""
     return atomic_write_bytes(final, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def sweep_temps(folder: Path) -> int:
-    """Remove `.tmp-*` leftovers of hard-killed writers under `folder`. Returns the count."""
+def sweep_temps(folder: Path, prefix: str = "") -> int:
+    """Remove leftovers of hard-killed writers under `folder`; returns how many.
+
+    Args:
+        folder: where to look, recursively.
+        prefix: only temps of artifacts whose name starts with it (e.g. `shard-00003`), so
+            a job never removes the in-progress temps of another shard in the same folder.
+    """
+    if not folder.is_dir():
+        return 0
     n = 0
-    for p in folder.rglob(".tmp-*"):
+    for p in list(folder.rglob(f"{TEMP_PREFIX}{prefix}*")):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         n += 1
     return n
@@ -129,6 +179,7 @@ class Manifest:
         files: relative path (to the stage folder) → sha256 of each output.
         recipe_hash: sha256 of the resolved recipe the outputs came from.
         eyrie_version: Eyrie's version that wrote them.
+        created_at: Unix time of the write.
         extra: stage-specific metadata (JSON-serializable).
     """
 
@@ -146,106 +197,13 @@ class Manifest:
         return dict(self.__dict__)
 
 
-class RunStore:
-    """Paths and manifests of one run: `<data_root>/runs/<run_id>/`.
-
-    Args:
-        run_id: the sanitized run id (`Recipe.run_id()`).
-        root: the data root; default `data_root()`.
-    """
-
-    def __init__(self, run_id: str, root: Path | None = None):
-        self.run_id = run_id
-        self.root = (root or data_root()) / "runs" / run_id
-
-    # -- creation / loading --------------------------------------------------------------
-    @classmethod
-    def create(cls, recipe: Recipe, command: str = "", root: Path | None = None) -> RunStore:
-        """Create (or reopen) the run folder and write `recipe.yaml`, `recipe.json`, command."""
-        store = cls(recipe.run_id(), root)
-        store.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(store.root / "recipe.yaml", recipe_to_yaml(recipe).encode())
-        atomic_write_bytes(store.root / "recipe.json", recipe.canonical_json().encode())
-        if command:
-            with open(store.root / "commands.log", "a") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {command}\n")
-        return store
-
-    def recipe(self) -> Recipe:
-        """The resolved recipe stored with the run (what every job reads)."""
-        path = self.root / "recipe.json"
-        if not path.is_file():
-            raise ArtifactError(f"{path}: run {self.run_id!r} has no resolved recipe")
-        recipe = resolve_recipe(json.loads(path.read_text()))
-        if recipe.run_id() != self.run_id:
-            raise ArtifactError(
-                f"{path}: recipe hashes to run {recipe.run_id()!r}, not {self.run_id!r}"
-            )
-        return recipe
-
-    # -- paths ---------------------------------------------------------------------------
-    def stage_dir(self, stage: str) -> Path:
-        """`runs/<run_id>/<stage>/` (created)."""
-        p = self.root / stage
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def shard_path(self, stage: str, shard: int, suffix: str) -> Path:
-        """`<stage>/shard-<NNNNN><suffix>`, e.g. `prep/shard-00003.jsonl`."""
-        return self.stage_dir(stage) / f"shard-{shard:05d}{suffix}"
-
-    def manifest_path(self, stage: str, shard: int = 0) -> Path:
-        return self.root / stage / f"manifest-{shard:05d}.json"
-
-    # -- manifests -----------------------------------------------------------------------
-    def is_done(self, stage: str, shard: int = 0) -> bool:
-        return self.manifest_path(stage, shard).is_file()
-
-    def write_manifest(
-        self,
-        stage: str,
-        shard: int,
-        counts: dict[str, int],
-        files: list[Path] | None = None,
-        extra: dict[str, Any] | None = None,
-        recipe_hash: str | None = None,
-    ) -> Manifest:
-        """Hash `files`, then write the manifest atomically: the shard is now done."""
-        sdir = self.stage_dir(stage)
-        hashes = {str(Path(f).relative_to(sdir)): sha256_tree(Path(f)) for f in files or []}
-        if recipe_hash is None:
-            recipe_hash = self.recipe().recipe_hash()
-        m = Manifest(
-            run_id=self.run_id,
-            stage=stage,
-            shard=shard,
-            counts={k: int(v) for k, v in counts.items()},
-            files=hashes,
-            recipe_hash=recipe_hash,
-            extra=extra or {},
-        )
-        atomic_write_json(self.manifest_path(stage, shard), m.to_json())
-        return m
-
-    def read_manifest(self, stage: str, shard: int = 0) -> Manifest:
-        path = self.manifest_path(stage, shard)
-        if not path.is_file():
-            raise ArtifactError(f"{path}: stage {stage!r} shard {shard} has not finished")
-        return Manifest(**json.loads(path.read_text()))
-
-    def manifests(self, stage: str) -> list[Manifest]:
-        """All manifests of a stage, by shard."""
-        d = self.root / stage
-        return [Manifest(**json.loads(p.read_text())) for p in sorted(d.glob("manifest-*.json"))]
-
-
 def check_free_space(path: Path, needed_bytes: int, what: str = "output") -> None:
     """Disk preflight: refuse, with both numbers, when `needed_bytes` exceed free space.
 
     Raises:
         ConfigError: not enough free space on the volume holding `path`.
     """
-    path.mkdir(parents=True, exist_ok=True)
+    make_dirs(path)
     free = shutil.disk_usage(path).free
     if needed_bytes > free:
         raise ConfigError(

@@ -27,6 +27,18 @@ def _need(path: Path, what: str) -> Path:
     return path
 
 
+def run_stage(store, name: str, shards=None, force: bool = False, urls=None) -> list:
+    """Run shards of stage `name` in this process (all of them by default), as a worker would.
+
+    Returns the manifests, in shard order.
+    """
+    from shared.stage import execute, get_stage
+
+    st = get_stage(name)
+    todo = st.shard_numbers(store) if shards is None else shards
+    return [execute(st, store, s, force=force, urls=urls) for s in todo]
+
+
 def smollm2_target(path) -> dict:
     """The recipe `target` section for the converted SmolLM2 (its known shape pinned)."""
     return {"path": str(path), "num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}

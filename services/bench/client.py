@@ -201,7 +201,7 @@ async def run_window(
     results: list[RequestResult] = [RequestResult() for _ in prompts]
     limits = httpx.Limits(max_connections=concurrency)
 
-    from services.serve.launcher import auth_headers
+    from shared.vllm import auth_headers
 
     async with httpx.AsyncClient(
         timeout=spec.timeout_s, limits=limits, headers=auth_headers()
@@ -226,7 +226,7 @@ def served_model(base_url: str, timeout_s: float = 10.0) -> str:
     """
     import httpx
 
-    from services.serve.launcher import auth_headers
+    from shared.vllm import auth_headers
 
     url = base_url.rstrip("/") + "/v1/models"
     try:

@@ -3,7 +3,7 @@
 A draft that accepts tokens can still make serving slower (one real run: τ 2.1, yet 82.3 tok/s
 against a 90 tok/s baseline). So two things are flagged:
 - τ < `shared.conventions.TAU_MISCONFIG_THRESHOLD`: a misconfiguration until proven otherwise
-  (eagle3-conventions §7);
+  (EAGLE-3 conventions §7);
 - speedup < 1 at any concurrency: the draft costs more than it saves there.
 
 Each flag lists the usual causes. Where the run's export exists, the causes that can be
@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 
 from shared.conventions import TAU_MISCONFIG_THRESHOLD, check_d2t_t2d
+from shared.draft import NORM_FLAGS
 from shared.errors import ContractMismatchError
-
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 LOW_TAU_CAUSES = [
     'mode: the server must run --speculative-config with method "eagle3"; "eagle" uses '
@@ -117,7 +116,7 @@ def flags_for(tau: float | None, speedups: dict[str, float], problems: list[str]
             {
                 "kind": "low_tau",
                 "message": f"{shown} < {TAU_MISCONFIG_THRESHOLD}: a misconfiguration until proven "
-                "otherwise (eagle3-conventions §7)",
+                "otherwise (EAGLE-3 conventions §7)",
                 "likely_causes": LOW_TAU_CAUSES,
                 "confirmed": problems,
             }

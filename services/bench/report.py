@@ -55,8 +55,8 @@ def pair_rows(baseline: dict[str, Any], eagle3: dict[str, Any]) -> list[dict[str
     e = {_key(w): w for w in eagle3["windows"]}
     if set(b) != set(e):
         raise ArtifactError(
-            f"eval: baseline windows {sorted(b)} differ from eagle3 windows {sorted(e)}; "
-            "both shards must run the same recipe (rerun eval)"
+            f"bench: baseline windows {sorted(b)} differ from eagle3 windows {sorted(e)}; "
+            "both shards must run the same recipe (rerun bench)"
         )
     return [_row(b[k], e[k]) for k in sorted(b)]
 
@@ -96,7 +96,7 @@ def build_report(
     """Combine both shards' sweeps into the report dict (layout in the module docstring).
 
     Args:
-        baseline, eagle3: `eval/shard-0.json` and `eval/shard-1.json` contents.
+        baseline, eagle3: `bench/shard-00000.json` and `bench/shard-00001.json` contents.
         meta: run facts copied into the report (run_id, target, k, prompt_set, ...).
         problems: `diagnosis.check_export` findings.
     """
@@ -163,27 +163,24 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def load_report(ref: str | Path, data_root: Path | None = None) -> dict[str, Any]:
-    """A report by path (report.json or its folder) or by run id under the data root.
+    """A report by path (report.json, or a run folder) or by run id under the data root.
 
     Raises:
         ArtifactError: nothing found.
     """
-    from shared.store import RunStore
+    from shared.artifacts import RunStore
 
     p = Path(ref)
-    candidates = [
-        p,
-        p / "report.json",
-        p / "report" / "report.json",
-        RunStore(str(ref), data_root).root / "report" / "report.json",
-    ]
-    for c in candidates:
-        if c.is_file():
-            return json.loads(c.read_text())
-    raise ArtifactError(
-        f"{ref}: no report.json (tried {', '.join(str(c) for c in candidates)}); "
-        "run `eyrie bench` on it first"
-    )
+    if p.is_file():
+        report: dict[str, Any] = json.loads(p.read_text())
+        return report
+    store = RunStore.at(p) if p.is_dir() else RunStore(str(ref), data_root)
+    try:
+        return store.report.read()
+    except ArtifactError:
+        raise ArtifactError(
+            f"{ref}: no report (looked for {store.report.json_path}); run `eyrie bench` on it first"
+        ) from None
 
 
 def compare_markdown(a: dict[str, Any], b: dict[str, Any]) -> str:

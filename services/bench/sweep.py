@@ -4,7 +4,7 @@ For each window the sweep scrapes `/metrics`, sends every prompt once, and scrap
 the window's τ and acceptance come from the counter deltas (`services.bench.metrics`), so
 requests the server served before (warm-up, turn-1 answers, earlier windows) never count.
 
-The output is the JSON written to `eval/shard-N.json` (see `shared/artifacts.py`):
+The output is the JSON written to `bench/shard-N.json` (see `shared/artifacts.py`):
 `{"mode", "url", "model", "num_prompts", "max_tokens", "windows": [{temperature, concurrency,
 client: LevelResult, counters: WindowDelta}]}`.
 """
@@ -22,7 +22,7 @@ from services.bench.client import RequestSpec, complete, run_window, served_mode
 from services.bench.metrics import scrape, window_delta
 from services.bench.prompts import Messages, second_turn_messages
 from shared.errors import StageFailedError
-from shared.recipe import EvalConfig
+from shared.recipe import BenchConfig
 from shared.store import atomic_path
 
 
@@ -30,7 +30,7 @@ def sweep_server(
     base_url: str,
     mode: str,
     prompts: list[Messages],
-    cfg: EvalConfig,
+    cfg: BenchConfig,
     on_window: Callable[[dict[str, Any]], None] | None = None,
     extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def sweep_server(
         base_url: server root, e.g. `http://127.0.0.1:8001`.
         mode: "baseline" or "eagle3" (recorded only).
         prompts: conversations sent once per window, identical for both servers.
-        cfg: the recipe's `eval` section (max_tokens, temperatures, concurrency).
+        cfg: the recipe's `bench` section (max_tokens, temperatures, concurrency).
         on_window: called with each finished window (progress).
         extra_body: extra request fields for both servers (e.g. chat_template_kwargs).
 
@@ -106,7 +106,7 @@ def turn1_answers(
     path: Path,
     baseline_url: str,
     first: list[Messages],
-    cfg: EvalConfig,
+    cfg: BenchConfig,
     extra_body: dict[str, Any] | None = None,
 ) -> list[str]:
     """The target's own greedy answers to `first`, shared by both shards through `path`.
@@ -139,7 +139,7 @@ def with_second_turns(
     path: Path,
     baseline_url: str,
     first: list[Messages],
-    cfg: EvalConfig,
+    cfg: BenchConfig,
     extra_body: dict[str, Any] | None = None,
 ) -> list[Messages]:
     """`first` plus each MT-Bench turn 2 after the target's own turn-1 answer."""

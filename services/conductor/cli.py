@@ -1,14 +1,15 @@
 """The `eyrie` command line.
 
-`eyrie --help` must not import torch, transformers or vLLM: heavy imports live inside the
-command functions (a test checks the import boundary). Only this module turns an
-`EyrieError` into an exit code: 2 for configuration errors, 1 for the rest.
+The conductor owns the commands that drive runs, workers and servers; each service adds
+its own through the `eyrie.commands` entry points (pyproject.toml), so this module imports
+no other service. `eyrie --help` must not import torch, transformers or vLLM: heavy imports
+live inside the command functions (a test checks the import boundary). Only this module
+turns an `EyrieError` into an exit code: 2 for configuration errors, 1 for the rest.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -16,33 +17,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from importlib.metadata import entry_points
 
+from services.conductor import demo, serve_cli
+from shared.cli import add_recipe_args
 from shared.errors import ConfigError, EyrieError
 
-#: Service modules that add subcommands: each has `register(subparsers)`.
-COMMAND_MODULES: list[str] = [
-    "services.conductor.demo",
-    "services.bench.cli",
-    "services.serve.cli",
-    "services.prep.cli",
-]
-
-
-def add_override_arg(p: argparse.ArgumentParser, example: str = "train.lr=1e-4") -> None:
-    """Add `-o/--override KEY=VALUE` (repeatable): dotted recipe overrides, parsed as YAML."""
-    p.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"dotted recipe override, e.g. {example} (repeatable)",
-    )
-
-
-def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file")
-    add_override_arg(p)
+#: Entry-point group of the services' `register(subparsers)` functions.
+COMMANDS_GROUP = "eyrie.commands"
 
 
 def _load(args: argparse.Namespace):
@@ -62,8 +44,8 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from services.conductor.driver import DriveOptions, drive
+    from shared.artifacts import RunStore
     from shared.queue import connect
-    from shared.store import RunStore
 
     recipe = _load(args)
     conn = connect()
@@ -80,17 +62,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return print_status(args.run)
 
 
-#: Modules a worker imports once before forking work-horses, per queue, so each job's fork
-#: inherits them instead of importing transformers anew (3-10 s per job on 2 busy cores).
-WORKER_PRELOAD: dict[str, list[str]] = {"prep": ["services.prep.preload"]}
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
-    from shared.queue import connect, make_worker
+    from shared.queue import NON_FORKING_QUEUES, connect, make_worker
+    from shared.stage import warm_queues
 
     conn = connect()
-    for mod in dict.fromkeys(m for q in args.queues for m in WORKER_PRELOAD.get(q, [])):
-        importlib.import_module(mod)
+    if not NON_FORKING_QUEUES & set(args.queues):
+        # A forking worker imports once what its jobs need; every fork inherits it.
+        warm_queues(args.queues)
     w = make_worker(
         args.queues,
         conn,
@@ -107,19 +86,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from services.conductor.driver import plan
-    from services.conductor.stages import get_stage
-    from shared.store import RunStore
+    from shared.artifacts import RunStore
+    from shared.stage import PER_PLAN_SHARD, execute, get_stage
 
     recipe = _load(args)
     store = RunStore.create(recipe, command=" ".join(sys.argv))
-    plan(store, recipe)
     stage = get_stage(args.name)
+    if stage.shards == PER_PLAN_SHARD and not store.is_done("plan"):
+        execute(get_stage("plan"), store, 0)  # cheap, and what the shard numbers come from
     if store.is_done(stage.name, args.shard) and not args.force:
         print(f"{stage.name}[{args.shard}] already done (manifest exists); --force to redo")
         return 0
     t0 = time.monotonic()
-    m = stage.load()(store, recipe, args.shard)
+    m = execute(stage, store, args.shard, force=args.force)
     print(
         json.dumps(
             {
@@ -153,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     recipe = sub.add_parser("recipe", help="recipe tools")
     rsub = recipe.add_subparsers(dest="recipe_command", required=True)
     check = rsub.add_parser("check", help="validate a recipe and print the resolved one")
-    _add_recipe_args(check)
+    add_recipe_args(check)
     check.set_defaults(func=cmd_recipe_check)
 
     run = sub.add_parser("run", help="plan a run and drive it to completion through rq")
-    _add_recipe_args(run)
+    add_recipe_args(run)
     run.add_argument("--stop-after", metavar="STAGE", help="stop after this stage")
     run.add_argument("--poll-s", type=float, default=1.0, help="manifest poll interval")
     run.set_defaults(func=cmd_run)
@@ -167,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     wk = sub.add_parser("worker", help="an rq worker (non-forking for extract/train)")
-    wk.add_argument("queues", nargs="+", help="queues: prep regen extract train eval")
+    wk.add_argument("queues", nargs="+", help="queues: prep regen extract train bench")
     wk.add_argument("--name", help="worker name (default: rq's)")
     wk.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     # Retries of failed and abandoned jobs wait in rq's scheduled registry; without a
@@ -188,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sg = sub.add_parser("stage", help="run one stage shard in-process, without Redis")
     sg.add_argument("name", help="stage name")
-    _add_recipe_args(sg)
+    add_recipe_args(sg)
     sg.add_argument("--shard", type=int, default=0, help="shard number")
     sg.add_argument("--force", action="store_true", help="ignore an existing manifest")
     sg.set_defaults(func=cmd_stage)
@@ -199,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rc.set_defaults(func=cmd_reconcile)
 
-    for mod in COMMAND_MODULES:
-        importlib.import_module(mod).register(sub)
+    serve_cli.register(sub)
+    demo.register(sub)
+    for ep in entry_points(group=COMMANDS_GROUP):
+        ep.load()(sub)
     return parser
 
 

@@ -19,9 +19,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from services.conductor.cli import add_override_arg
 from services.conductor.processes import start_redis_server, start_worker, stop_process
+from shared.artifacts import RunStore
+from shared.cli import add_override_arg
 from shared.errors import ServiceUnavailableError
+from shared.store import data_root, make_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_RECIPE = ROOT / "recipes" / "smollm2-135m-cpu.yaml"
@@ -34,14 +36,14 @@ QUICK_OVERRIDES = [
     "draft.draft_vocab_size=4096",
     "train.epochs=3",
     "train.tokens_per_step=1024",
-    "eval.num_prompts=6",
-    "eval.max_tokens=64",
-    "eval.concurrency=[1, 4]",
-    "eval.temperatures=[0.0]",
+    "bench.num_prompts=6",
+    "bench.max_tokens=64",
+    "bench.concurrency=[1, 4]",
+    "bench.temperatures=[0.0]",
 ]
 
 #: (queues, count): the demo's workers. Extract and train are non-forking (model loaded once).
-WORKERS = [(["prep"], 2), (["regen", "eval"], 1), (["extract"], 1), (["train"], 1)]
+WORKERS = [(["prep"], 2), (["regen", "bench"], 1), (["extract"], 1), (["train"], 1)]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -124,13 +126,12 @@ class _Ticker:
             self.last, self.last_line = now, line
 
 
-def print_final_table(store) -> dict:
+def print_final_table(store: RunStore) -> dict:
     """Print the report's table (τ, per-position acceptance, tok/s, speedup); return it."""
-    path = store.root / "report" / "report.json"
-    report = json.loads(path.read_text())
-    md = store.root / "report" / "report.md"
+    report = store.report.read()
+    md = store.report.markdown_path
     print("\n" + (md.read_text() if md.is_file() else json.dumps(report, indent=2)))
-    print(f"report: {path.parent}", flush=True)
+    print(f"report: {store.report.dir}", flush=True)
     return report
 
 
@@ -139,13 +140,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services.conductor.driver import DriveOptions, drive
     from shared.queue import connect
     from shared.recipe import resolve_recipe
-    from shared.store import RunStore
 
     overrides = (QUICK_OVERRIDES if args.quick else []) + list(args.override)
     recipe = resolve_recipe(args.recipe, overrides)
     store = RunStore.create(recipe, command=" ".join(sys.argv))
-    log_dir = store.root / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = make_dirs(store.logs_dir)
     t0 = time.monotonic()
     print(
         f"[demo] run {store.run_id}: {store.root}\n[demo] logs: {log_dir}\n"
@@ -157,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         os.environ["EYRIE_REDIS_URL"] = url
         env = {
             **os.environ,
-            "EYRIE_DATA": str(store.root.parents[1]),
+            "EYRIE_DATA": str(data_root()),
             "PYTHONPATH": str(ROOT),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
@@ -166,7 +165,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         conn = connect(url)
         drive(store, conn, DriveOptions(stale_after_s=60), on_tick=_Ticker(store, conn))
     print_final_table(store)
-    timings = json.loads((store.root / "timings.json").read_text())
+    timings = store.timings()
     print("wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
     print(f"[demo] total {time.monotonic() - t0:.0f}s", flush=True)
     return 0

@@ -6,6 +6,7 @@ scripts start them here, all through these functions.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -107,12 +108,43 @@ def start_worker(
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def is_running(pid: int | None) -> bool:
+    """Whether `pid` runs here (an exited child not yet reaped, a zombie, does not)."""
+    import psutil
+
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_tree(pid: int, grace_s: float = 20) -> None:
+    """SIGTERM `pid` and all its descendants; SIGKILL whatever is left after `grace_s`.
+
+    Exited children are reaped (psutil waits on them), so none is left a zombie.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float = 20) -> None:
-    """SIGTERM, then SIGKILL after `grace_s` seconds."""
+    """Stop a process this one started, and its descendants (`stop_tree`); reap it."""
     if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_tree(proc.pid, grace_s)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)

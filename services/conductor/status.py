@@ -7,10 +7,11 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from services.conductor.stages import pipeline, shards_of
-from shared.errors import ArtifactError, ServiceUnavailableError
+from shared.artifacts import RunStore, list_runs
+from shared.errors import ArtifactError, ConfigError, ServiceUnavailableError
 from shared.queue import connect, get_queue, job_id
-from shared.store import RunStore, data_root
+from shared.recipe import check_run_id
+from shared.stage import pipeline
 
 
 def _job_state(conn, queue: str, jid: str) -> tuple[str, dict]:
@@ -28,7 +29,7 @@ def stage_rows(store: RunStore, conn) -> list[dict]:
     rows = []
     for stage in pipeline(recipe):
         try:
-            shards = shards_of(stage, store)
+            shards = stage.shard_numbers(store)
         except ArtifactError:
             shards = []
         done = [s for s in shards if store.is_done(stage.name, s)]
@@ -64,12 +65,13 @@ def stage_rows(store: RunStore, conn) -> list[dict]:
 def print_status(run: str | None) -> int:
     """Print the status table of `run`, or the list of runs. Returns the exit code."""
     console = Console()
-    runs_dir = data_root() / "runs"
     if run is None:
-        for p in sorted(runs_dir.glob("*/recipe.json")) if runs_dir.is_dir() else []:
-            console.print(p.parent.name)
+        for run_id in list_runs():
+            console.print(run_id)
         return 0
-    store = RunStore(run)
+    store = RunStore(check_run_id(run))
+    if not store.exists():
+        raise ConfigError(f"run {run!r}: no such run under {store.root.parent}")
     try:
         conn = connect()
     except ServiceUnavailableError as e:

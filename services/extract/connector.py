@@ -122,7 +122,7 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if not storage:
             raise ValueError(
                 "EyrieHiddenStatesConnector needs kv_connector_extra_config."
-                "shared_storage_path (services.serve.launcher passes the run's folder)"
+                "shared_storage_path (shared.vllm.kv_transfer_config passes the run's folder)"
             )
         self.storage = storage
         # scheduler side

@@ -3,7 +3,7 @@
 Responsibility: load a target once per process and turn a batch of token-id lists into
 per-sample hidden states `[seq_len, 3+1, H]`.
 
-Invariants (see `shared/conventions.py` §1–2 and ../shared/eagle3-conventions.md):
+Invariants (`shared.conventions` §1–2):
 - aux id k is the residual stream *entering* decoder layer k, captured by a forward pre-hook
   on `layers[k]`; this equals HF `output_hidden_states[k]` (index 0 = embedding output);
 - the 4th state is the input of the model's final norm (pre-norm), not HF's last
@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.extract.backend import SampleStates, base_metadata
+from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ConfigError
+from shared.recipe import Recipe
+from shared.target import target_config
 
 if TYPE_CHECKING:
     import torch
@@ -283,3 +287,29 @@ def model_revision(model: Any, spec: LoadSpec) -> str:
     """
     rev = spec.revision or getattr(model.config, "_commit_hash", None)
     return str(rev) if rev else f"local:{Path(spec.path).resolve()}"
+
+
+class HFExtractor:
+    """The `hf` backend: transformers with forward hooks (`services.extract.hf_backend`).
+
+    The model is loaded once per process and cached, so a long-lived extractor worker keeps it
+    across jobs.
+    """
+
+    def __init__(self, recipe: Recipe):
+        cfg = target_config(recipe)
+        self.spec = LoadSpec.from_recipe(recipe)
+        self.model = load_target(self.spec)
+        n = num_layers(self.model)
+        self.aux_ids = resolve_aux_layer_ids(recipe.layers, n)
+        self.hidden_size = int(cfg["hidden_size"])
+        self._meta = base_metadata(recipe, self.aux_ids, self.hidden_size)
+        self._meta["target_revision"] = model_revision(self.model, self.spec)
+        self._meta["num_hidden_layers"] = n
+
+    def extract(self, batch: list[Sequence[int]]) -> list[SampleStates]:
+        states = extract_batch(self.model, batch, self.aux_ids)
+        return [SampleStates(s, ids) for s, ids in zip(states, batch, strict=True)]
+
+    def metadata(self) -> dict[str, Any]:
+        return dict(self._meta)

@@ -1,10 +1,10 @@
 """The `vllm` extraction backend: a client of a vLLM server in extract mode.
 
-The server (started by `services.serve.launcher`, mode "extract", during the extract GPU
-phase) runs vLLM's `extract_hidden_states` speculative method with aux ids `[a, b, c, N]` and
-Eyrie's KV connector (`services.extract.connector`). For each sample this client sends
-`/v1/completions` with the prompt as token ids and `max_tokens: 1`, reads the safetensors file
-named by `kv_transfer_params.hidden_states_path`, and deletes it.
+The server (started by the conductor in mode "extract" during the extract GPU phase, with
+the flags of `shared.vllm`) runs vLLM's `extract_hidden_states` speculative method with aux
+ids `[a, b, c, N]` and Eyrie's KV connector (`services.extract.connector`). For each sample
+this client sends `/v1/completions` with the prompt as token ids and `max_tokens: 1`, reads
+the safetensors file named by `kv_transfer_params.hidden_states_path`, and deletes it.
 
 Invariants: the 4 slots are the 3 aux ids (residual entering layer k, vLLM's reading) and id
 N, which vLLM captures before the final norm, i.e. the same layout as the hf backend. The
@@ -23,26 +23,24 @@ from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ContractMismatchError, ServiceUnavailableError
 from shared.recipe import Recipe
 from shared.target import target_config
+from shared.vllm import auth_headers, served_model_name
 
 
 class VLLMExtractor:
     """Extract through a running vLLM server in extract mode.
 
     Args:
-        recipe: the run's recipe (serve.host/port, served model name, layers).
-        url: override of the server URL (default: the launcher's `base_url` of extract
-            mode, a compose alias on the docker backend), e.g. a test's own server.
+        recipe: the run's recipe (served model name, layers).
+        url: the extract-mode server's base URL (`StageContext.server_url("extract")`).
         timeout_s: per-request timeout.
     """
 
-    def __init__(self, recipe: Recipe, url: str | None = None, timeout_s: float = 600):
-        from services.serve.launcher import auth_headers, base_url, served_model_name
-
+    def __init__(self, recipe: Recipe, url: str, timeout_s: float = 600):
         cfg = target_config(recipe)
         n = int(cfg["num_hidden_layers"])
         self.aux_ids = resolve_aux_layer_ids(recipe.layers, n)
         self.hidden_size = int(cfg["hidden_size"])
-        self.url = url or base_url(recipe, "extract")
+        self.url = url
         self.headers = auth_headers()
         self.model = served_model_name(recipe)
         self.timeout_s = timeout_s

@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.records import QuarantinedSample
 from shared.store import atomic_path
 
 if TYPE_CHECKING:
     import torch
-
-HS_DIR = "hidden_states"
-
-
-def hs_path(shard_dir: Path, row: int) -> Path:
-    """`<shard_dir>/hidden_states/hs_<row>.safetensors` (speculators' offline name)."""
-    return shard_dir / HS_DIR / f"hs_{row}.safetensors"
 
 
 def check_sample(
@@ -76,33 +71,34 @@ class WriteResult:
         written: samples written (files).
         tokens: tokens of the written samples.
         bytes: bytes of the written files.
-        quarantined: `{"row", "id", "reason"}` per quarantined sample.
+        quarantined: one record per quarantined sample.
     """
 
     written: int = 0
     tokens: int = 0
     bytes: int = 0
-    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    quarantined: list[QuarantinedSample] = field(default_factory=list)
 
 
 class StateWriter:
     """Checks and writes samples on a background thread.
 
     Args:
-        shard_dir: `extract/shard-N/`; files go to its `hidden_states/`.
+        path_of: row → its hidden-state file (`ExtractArtifacts.hs_path`).
         num_slots: 3 aux layers + 1 final state.
         dtype: the stored dtype (a torch dtype), e.g. torch.bfloat16.
         max_pending: samples queued before `submit` blocks (bounds memory held in flight).
     """
 
-    def __init__(self, shard_dir: Path, num_slots: int, dtype: Any, max_pending: int = 64):
-        self.shard_dir = shard_dir
+    def __init__(
+        self, path_of: Callable[[int], Path], num_slots: int, dtype: Any, max_pending: int = 64
+    ):
+        self.path_of = path_of
         self.num_slots = num_slots
         self.dtype = dtype
         self.result = WriteResult()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
-        (shard_dir / HS_DIR).mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="hs-writer")
         self._thread.start()
 
@@ -134,13 +130,13 @@ class StateWriter:
 
         reason = check_sample(states, token_ids, expected, self.num_slots)
         if reason is not None:
-            self.result.quarantined.append({"row": row, "id": sample_id, "reason": reason})
+            self.result.quarantined.append(QuarantinedSample(row=row, id=sample_id, reason=reason))
             return
         tensors = {
             "hidden_states": states.to(self.dtype).contiguous(),
             "token_ids": torch.as_tensor([int(t) for t in expected], dtype=torch.long),
         }
-        final = hs_path(self.shard_dir, row)
+        final = self.path_of(row)
         with atomic_path(final) as tmp:
             save_file(tensors, str(tmp))
             size = tmp.stat().st_size

@@ -1,6 +1,7 @@
 """`eyrie prep-stats RUN`: samples, tokens and assistant tokens of a run, per dataset.
 
-Imports stay inside the command (the CLI must not import transformers or torch on --help).
+Registered through the `eyrie.commands` entry points. Imports stay inside the command (the
+CLI must not import transformers or torch on --help).
 """
 
 from __future__ import annotations
@@ -10,10 +11,15 @@ import json
 
 
 def cmd_prep_stats(args: argparse.Namespace) -> int:
-    from services.prep.jobs import run_stats
-    from shared.store import RunStore
+    from services.prep.tokenize import run_stats
+    from shared.artifacts import RunStore
+    from shared.errors import ConfigError
+    from shared.recipe import check_run_id
 
-    stats = run_stats(RunStore(args.run))
+    store = RunStore(check_run_id(args.run))
+    if not store.exists():
+        raise ConfigError(f"run {args.run!r}: no such run under {store.root.parent}")
+    stats = run_stats(store)
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0

@@ -1,16 +1,21 @@
-"""Exact-duplicate removal and eval decontamination, keyed by the normalized first prompt.
+"""The dedup stage: exact-duplicate removal and eval decontamination, over every prep shard.
 
-Normalization: Unicode NFKC, case-folded, whitespace runs collapsed to one space, stripped.
-Dedup keeps the first occurrence in (shard, row) order, so the result does not depend on
-which worker wrote which shard. Decontamination drops rows whose normalized first user
-prompt equals a normalized eval prompt (MT-Bench first turns by default).
+The key is the normalized first user prompt: Unicode NFKC, case-folded, whitespace runs
+collapsed to one space, stripped. Dedup keeps the first occurrence in (shard, row) order, so
+the result does not depend on which worker wrote which shard. Decontamination drops rows
+whose first prompt equals an MT-Bench first turn (the benchmark's prompts never enter
+training data). The kept conversations are written once, per prep shard, for every later
+reader.
 """
 
 from __future__ import annotations
 
 import unicodedata
 from collections.abc import Iterable
-from typing import Any
+
+from shared.mtbench import mtbench_first_turns
+from shared.records import Conversation, DedupReport
+from shared.stage import HOUR_S, ShardResult, StageContext, stage
 
 
 def normalize_prompt(text: str) -> str:
@@ -18,40 +23,51 @@ def normalize_prompt(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
-def first_user_prompt(messages: list[dict[str, Any]]) -> str:
+def first_user_prompt(conv: Conversation) -> str:
     """Content of the first user message ("" if none)."""
-    return next((m["content"] for m in messages if m["role"] == "user"), "")
+    return next((m.content or "" for m in conv.messages if m.role == "user"), "")
 
 
 def select(
-    shards: Iterable[tuple[int, list[dict[str, Any]]]],
+    shards: Iterable[tuple[int, list[Conversation]]],
     dedup: bool,
     eval_prompts: Iterable[str] | None,
-) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Choose the rows to keep.
+) -> tuple[dict[int, list[Conversation]], DedupReport]:
+    """Choose the conversations to keep.
 
     Args:
-        shards: `(shard, rows)` in shard order; rows are canonical prep records.
+        shards: `(shard, conversations)` in shard order.
         dedup: drop later rows whose key was seen.
         eval_prompts: prompts to decontaminate against (None = off).
 
     Returns:
-        (`{"<shard>": [kept row indices]}`, `{"duplicates", "contaminated", "kept"}`).
+        (`{shard: kept conversations}`, counts).
     """
     banned = {normalize_prompt(p) for p in eval_prompts or []}
     seen: set[str] = set()
-    keep: dict[str, list[int]] = {}
-    report = {"duplicates": 0, "contaminated": 0, "kept": 0}
+    keep: dict[int, list[Conversation]] = {}
+    report = DedupReport(duplicates=0, contaminated=0, kept=0)
     for shard, rows in shards:
-        kept = keep.setdefault(str(shard), [])
-        for i, row in enumerate(rows):
-            key = normalize_prompt(first_user_prompt(row["messages"]))
+        kept = keep.setdefault(shard, [])
+        for row in rows:
+            key = normalize_prompt(first_user_prompt(row))
             if key in banned:
-                report["contaminated"] += 1
+                report.contaminated += 1
             elif dedup and key in seen:
-                report["duplicates"] += 1
+                report.duplicates += 1
             else:
                 seen.add(key)
-                kept.append(i)
-                report["kept"] += 1
+                kept.append(row)
+                report.kept += 1
     return keep, report
+
+
+@stage("dedup", queue="prep", timeout_s=HOUR_S, after=("prep",))
+def dedup_stage(ctx: StageContext) -> ShardResult:
+    """First-prompt dedup and MT-Bench decontamination over every prep shard."""
+    store, cfg = ctx.store, ctx.recipe.prep
+    n = store.plan.num_shards()
+    shards = ((s, store.prep.conversations(s)) for s in range(n))
+    keep, report = select(shards, cfg.dedup, mtbench_first_turns() if cfg.decontaminate else None)
+    files = store.dedup.write(keep, report)
+    return ShardResult(report.model_dump(), files)

@@ -1,4 +1,4 @@
-"""Chat-template rendering and the assistant-only loss mask (eagle3-conventions.md §4).
+"""The assistant-only loss mask, from chat-template renders (EAGLE-3 conventions §4).
 
 The mask is 1 exactly on what the assistant generates: its content (reasoning and tool calls
 included, as the template renders them) plus the template's end-of-turn token. It is 0 on
@@ -22,13 +22,13 @@ Template quirks live in `QUIRKS` (a registry, STYLE.md §4).
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.prep.formats import RowRejected
+from shared.chat import render_text
 from shared.errors import ConfigError
 
 _PROBE_Q = "Eyrie probe question"
@@ -81,77 +81,6 @@ register_quirk(
         ("<think>\n\n</think>\n\n",),
     )
 )
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(path: str) -> Any:
-    """A (fast) tokenizer from a local folder, cached per process.
-
-    Raises:
-        ConfigError: the folder has no chat template.
-    """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    if not tok.chat_template:
-        raise ConfigError(
-            f"{path}: the tokenizer has no chat_template; set target.tokenizer "
-            "to a folder whose tokenizer_config.json carries one"
-        )
-    return tok
-
-
-def _template_message(m: dict[str, Any]) -> dict[str, Any]:
-    out = dict(m)
-    if m.get("tool_calls"):
-        calls = []
-        for c in m["tool_calls"]:
-            fn = dict(c["function"])
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except (TypeError, json.JSONDecodeError):
-                pass  # templates print a string argument as is
-            calls.append({**c, "function": fn})
-        out["tool_calls"] = calls
-    return out
-
-
-def render_text(
-    tok: Any,
-    messages: Sequence[dict[str, Any]],
-    chat_template_kwargs: dict,
-    add_generation_prompt: bool,
-    tools: list | None = None,
-) -> str:
-    """The chat template applied to canonical `messages`, as text.
-
-    Tool-call arguments stored as JSON text are passed as objects, as HF templates expect.
-    """
-    kwargs = dict(chat_template_kwargs)
-    if tools:
-        kwargs["tools"] = tools
-    return tok.apply_chat_template(
-        [_template_message(m) for m in messages],
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **kwargs,
-    )
-
-
-def render_ids(
-    tok: Any,
-    messages: Sequence[dict[str, Any]],
-    chat_template_kwargs: dict,
-    add_generation_prompt: bool,
-    tools: list | None = None,
-) -> list[int]:
-    """Token ids of the rendered conversation: rendered once, tokenized once, no extra BOS.
-
-    Returns:
-        list[int] of length = tokens of the rendered text (`add_special_tokens=False`).
-    """
-    text = render_text(tok, messages, chat_template_kwargs, add_generation_prompt, tools)
-    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass(frozen=True)

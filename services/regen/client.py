@@ -1,30 +1,30 @@
-"""An async OpenAI-chat client for regeneration, with vLLM's exact token ids.
+"""The regeneration client: the `openai` SDK against a vLLM server, with vLLM's token ids.
 
-Each request asks vLLM for `return_token_ids` (vLLM ≥ 0.11; 0.32's
-`entrypoints/openai/chat_completion/protocol.py`): the response then carries the prompt ids
-the server rendered (top-level `prompt_token_ids`) and the ids it sampled
+Each request asks vLLM for `return_token_ids` (vLLM ≥ 0.11): the response then carries the
+prompt ids the server rendered (top-level `prompt_token_ids`) and the ids it sampled
 (`choices[0].token_ids`, ending with the stop token when it stopped on one). The server
 applies the chat template with `chat_template_kwargs`.
 
 Failure policy:
-- connection errors, timeouts and 5xx are retried with exponential backoff; when the
-  retries are spent the server is treated as down (`ServiceUnavailableError`): the job
+- connection errors, timeouts, 408/409, 429 (rate limiting) and 5xx are retried by the SDK
+  with exponential backoff, honouring `Retry-After` (`regen.max_retries`); when the retries
+  are spent the server is treated as down or overloaded (`ServiceUnavailableError`): the job
   fails and a rerun resumes, rather than marking good rows as errors;
-- 4xx (e.g. a prompt longer than max-model-len) is the server rejecting this row:
+- any other 4xx (e.g. a prompt longer than max-model-len) is the server rejecting this row:
   `RejectedError`, which the job counts and moves on; except 404 (wrong model name or
   route), which would fail every row alike and so stops the job.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from shared.errors import EyrieError, ServiceUnavailableError
+
+#: 4xx statuses the SDK retries (request timeout, conflict, rate limit): when the retries are
+#: spent they mean the server is overloaded, not that the row is bad.
+RETRIED_STATUSES = (408, 409, 429)
 
 
 class RejectedError(EyrieError):
@@ -93,10 +93,8 @@ class ChatClient:
         sampling: request fields sent as is (temperature, top_p, max_tokens, ...).
         chat_template_kwargs: passed to the server's apply_chat_template.
         timeout_s: per-request timeout in seconds.
-        max_retries: retries on connection errors, timeouts and 5xx.
-        backoff_s: first backoff in seconds; doubles per retry, with jitter, capped at 30 s.
-        concurrency: connection pool size (the caller bounds in-flight requests).
-        headers: extra HTTP headers (the API key, `launcher.auth_headers()`).
+        max_retries: the SDK's retries on transient failures (see the module docstring).
+        api_key: the server's API key (`shared.vllm.api_key`), or None.
     """
 
     def __init__(
@@ -107,71 +105,60 @@ class ChatClient:
         chat_template_kwargs: dict[str, Any],
         timeout_s: float,
         max_retries: int,
-        backoff_s: float = 1.0,
-        concurrency: int = 16,
-        headers: dict[str, str] | None = None,
+        api_key: str | None = None,
     ):
-        self.url = f"{base_url}/v1/chat/completions"
+        from openai import AsyncOpenAI
+
+        self.url = f"{base_url}/v1"
         self.model, self.sampling = model, dict(sampling)
         self.kwargs = dict(chat_template_kwargs)
-        self.max_retries, self.backoff_s = max_retries, backoff_s
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers or {}
+        self.max_retries = max_retries
+        self.openai = AsyncOpenAI(
+            base_url=self.url,
+            api_key=api_key or "EMPTY",
+            timeout=timeout_s,
+            max_retries=max_retries,
         )
 
-    def payload(
-        self, messages: list[dict[str, Any]], tools: list[dict] | None = None
-    ) -> dict[str, Any]:
-        """The JSON body of one request."""
-        body = {
-            "model": self.model,
-            "messages": messages,
-            **self.sampling,
-            "return_token_ids": True,
-            "chat_template_kwargs": self.kwargs,
-            "stream": False,
-        }
-        if tools:
-            body["tools"] = tools
-        return body
+    def extra_body(self) -> dict[str, Any]:
+        """The vLLM-specific request fields."""
+        return {"return_token_ids": True, "chat_template_kwargs": self.kwargs}
 
     async def chat(
         self, messages: list[dict[str, Any]], tools: list[dict] | None = None
     ) -> ChatResult:
-        """Send one chat request; retry transient failures.
+        """Send one chat request (the SDK retries transient failures).
 
         Raises:
-            RejectedError: 4xx other than 404 (a bad row, e.g. too long for max-model-len).
-            ServiceUnavailableError: still failing after `max_retries` retries, or 404.
+            RejectedError: 4xx other than 404/408/409/429 (a bad row).
+            ServiceUnavailableError: still failing after the retries, or 404.
         """
-        body = self.payload(messages, tools)
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                delay = min(30.0, self.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            try:
-                resp = await self.http.post(self.url, json=body)
-            except httpx.TransportError as e:  # connect/read errors and timeouts
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}: {resp.text[:300]}"
-                continue
-            if resp.status_code == 404:
-                # Wrong model name or route: every row would fail the same way.
-                raise ServiceUnavailableError(
-                    f"{self.url}: 404 for model {self.model!r}: {resp.text[:300]}. Check "
-                    "serve.served_model_name and that the baseline server serves the target."
-                )
-            if resp.status_code >= 400:
-                raise RejectedError(resp.status_code, resp.text[:500])
-            return parse_response(resp.json())
-        raise ServiceUnavailableError(
-            f"{self.url}: no answer after {self.max_retries} retries (regen.max_retries); "
-            f"last error: {last}. Is the baseline server up?"
-        )
+        import openai
+
+        request: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": False,
+            "extra_body": self.extra_body(),
+            **({"tools": tools} if tools else {}),
+            **self.sampling,
+        }
+        try:
+            resp = await self.openai.chat.completions.create(**request)
+        except openai.NotFoundError as e:
+            raise ServiceUnavailableError(
+                f"{self.url}: 404 for model {self.model!r}: {e.message}. Check "
+                "serve.served_model_name and that the baseline server serves the target."
+            ) from e
+        except (openai.APIStatusError, openai.APIConnectionError) as e:
+            status = getattr(e, "status_code", None)
+            if status is not None and status not in RETRIED_STATUSES and status < 500:
+                raise RejectedError(status, str(e.message)[:500]) from e
+            raise ServiceUnavailableError(
+                f"{self.url}: no answer after {self.max_retries} retries (regen.max_retries); "
+                f"last error: {type(e).__name__}: {e}. Is the baseline server up?"
+            ) from e
+        return parse_response(resp.model_dump())
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.openai.close()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.regen.client import ChatClient, ChatResult, RejectedError
+from shared.records import Conversation, Message, RegenTurn
 
 #: Outcome statuses; the job's accounting is success + error + skipped == input.
 SUCCESS, ERROR, SKIPPED = "success", "error", "skipped"
@@ -38,24 +39,25 @@ class Outcome:
             `server_rejected`), or why a success stopped early ('' = not early).
         detail: human-readable detail (server message, token counts).
         messages: the regenerated conversation (success only).
-        turns: per answer `{prompt_token_ids, completion_token_ids, finish_reason}`.
+        turns: per answer, the ids the server saw and sampled.
         results: the raw `ChatResult`s, in turn order.
     """
 
     status: str
     reason: str = ""
     detail: str = ""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    turns: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    turns: list[RegenTurn] = field(default_factory=list)
     results: list[ChatResult] = field(default_factory=list)
 
 
-def request_message(m: dict[str, Any]) -> dict[str, Any]:
+def request_message(m: Message) -> dict[str, Any]:
     """A canonical message as sent to the server (role, content, and tool fields)."""
-    out = {"role": m["role"], "content": m.get("content", "")}
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    d = m.chat_dict()
     for key in ("name", "tool_calls", "tool_call_id"):
-        if m.get(key):
-            out[key] = m[key]
+        if d.get(key):
+            out[key] = d[key]
     return out
 
 
@@ -80,25 +82,25 @@ class Regenerator:
         self.client, self.prompt_tokens = client, prompt_tokens
         self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
 
-    async def run(self, row: dict[str, Any]) -> Outcome:
-        """Regenerate `row` (a canonical prep row). Never raises for a bad row.
+    async def run(self, row: Conversation) -> Outcome:
+        """Regenerate `row` (a deduplicated conversation). Never raises for a bad row.
 
         Raises:
             ServiceUnavailableError: the server is down (from the client).
         """
-        tools = row.get("tools") or None
+        tools = row.tools or None
         history: list[dict[str, Any]] = []
         out = Outcome(SUCCESS)
         answerable = False
-        for m in row["messages"]:
-            if m["role"] != "assistant":
+        for m in row.messages:
+            if m.role != "assistant":
                 history.append(request_message(m))
-                answerable = m["role"] in ("user", "tool")
+                answerable = m.role in ("user", "tool")
                 continue
             if not answerable:
                 continue  # nothing to answer: a record that starts mid-conversation
-            if len(out.turns) >= self.max_turns or m.get("tool_calls"):
-                out.reason = out.reason or ("tool_calls" if m.get("tool_calls") else "")
+            if len(out.turns) >= self.max_turns or m.tool_calls:
+                out.reason = out.reason or ("tool_calls" if m.tool_calls else "")
                 break
             if not await self._answer(history, tools, out):
                 break
@@ -122,17 +124,17 @@ class Regenerator:
         except RejectedError as e:
             out.reason, out.detail = "server_rejected", f"turn {len(out.turns)}: {e.detail}"
             return False
-        answer = {"role": "assistant", "content": res.text}
+        answer: dict[str, Any] = {"role": "assistant", "content": res.text}
         if res.reasoning:
             answer["reasoning_content"] = res.reasoning
         history.append(answer)
         out.results.append(res)
         out.turns.append(
-            {
-                "prompt_token_ids": res.prompt_token_ids,
-                "completion_token_ids": res.completion_token_ids,
-                "finish_reason": res.finish_reason,
-            }
+            RegenTurn(
+                prompt_token_ids=res.prompt_token_ids,
+                completion_token_ids=res.completion_token_ids,
+                finish_reason=res.finish_reason,
+            )
         )
         return True
 
@@ -143,5 +145,5 @@ class Regenerator:
             out.reason = out.reason or "no_user_turn"
             return out
         last = max(i for i, m in enumerate(history) if m["role"] == "assistant")
-        out.messages = history[: last + 1]
+        out.messages = [Message.model_validate(m) for m in history[: last + 1]]
         return out

@@ -25,12 +25,12 @@ lm_head, which `teacher_head` loads once.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.train.packing import collate
-from services.train.samples import Sample
+from services.train.samples import AlignedSample
 from shared.errors import ArtifactError
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def _tied(path: str) -> bool:
 
 def simulated_tau(
     model: Any,
-    samples: Sequence[Sample],
+    samples: Iterable[AlignedSample],
     k: int,
     lm_head: torch.Tensor | None = None,
     autocast_dtype: str | None = None,
@@ -72,7 +72,7 @@ def simulated_tau(
 
     Args:
         model: a speculators `Eagle3DraftModel` (unwrapped), on its training device.
-        samples: held-out samples (`services.train.samples.Sample`), run one at a time.
+        samples: held-out samples, run (and may be loaded) one at a time.
         k: draft tokens per step (vLLM's `num_speculative_tokens`).
         lm_head: the target's full lm_head `[target_vocab, H]`; default `teacher_head(model)`.
         autocast_dtype: 'bf16' to run under bf16 autocast, None for fp32.
@@ -117,7 +117,7 @@ def simulated_tau(
 
 
 def _chain(
-    model: Any, head: torch.Tensor, sample: Sample, k: int, device: torch.device
+    model: Any, head: torch.Tensor, sample: AlignedSample, k: int, device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Per anchor, which of the k steps lie in its accepted prefix.
 

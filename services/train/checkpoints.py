@@ -1,6 +1,6 @@
 """Training checkpoints: per epoch, one rolling mid-epoch checkpoint, keep-last-N and best.
 
-Layout (`train/checkpoints/`, see `shared/artifacts.py`):
+Layout (`train/checkpoints/`, paths from `shared.artifacts.TrainArtifacts`):
     epoch-<EEEE>/   written after epoch E (1-based) finished and was validated
     step-latest/    rolling, every `train.step_checkpoint_every` steps (overwritten)
 Each folder holds:
@@ -28,13 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.artifacts import TrainArtifacts
 from shared.errors import ArtifactError
 from shared.store import atomic_path
 
-WEIGHTS = "draft.safetensors"
-STATE = "training_state.pt"
-STATE_JSON = "state.json"
-STEP_LATEST = "step-latest"
+WEIGHTS = TrainArtifacts.CHECKPOINT_WEIGHTS
+STATE = TrainArtifacts.CHECKPOINT_STATE
+STATE_JSON = TrainArtifacts.CHECKPOINT_STATE_JSON
 
 
 @dataclass
@@ -55,11 +55,6 @@ class TrainState:
     step_in_epoch: int = 0
     best: dict[str, Any] = field(default_factory=dict)
     validations: list[dict[str, Any]] = field(default_factory=list)
-
-
-def epoch_dir(root: Path, epoch: int) -> Path:
-    """`checkpoints/epoch-<EEEE>` for the 1-based finished epoch."""
-    return root / f"epoch-{epoch:04d}"
 
 
 def save(
@@ -110,8 +105,9 @@ def read_state(folder: Path) -> TrainState:
     return TrainState(**json.loads((folder / STATE_JSON).read_text()))
 
 
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """Complete checkpoint folders under `root` (epoch-* and step-latest)."""
+def checkpoint_dirs(art: TrainArtifacts) -> list[Path]:
+    """Complete checkpoint folders (epoch-* and step-latest)."""
+    root = art.checkpoints_dir
     if not root.is_dir():
         return []
     return sorted(
@@ -121,31 +117,31 @@ def checkpoint_dirs(root: Path) -> list[Path]:
     )
 
 
-def latest(root: Path) -> Path | None:
+def latest(art: TrainArtifacts) -> Path | None:
     """The checkpoint with the most steps done (an epoch one wins a tie), or None."""
-    dirs = checkpoint_dirs(root)
+    dirs = checkpoint_dirs(art)
     if not dirs:
         return None
-    return max(dirs, key=lambda p: (read_state(p).step, p.name != STEP_LATEST))
+    return max(dirs, key=lambda p: (read_state(p).step, p != art.step_dir))
 
 
-def epoch_dirs(root: Path) -> list[Path]:
+def epoch_dirs(art: TrainArtifacts) -> list[Path]:
     """Epoch checkpoints, oldest first."""
-    return [p for p in checkpoint_dirs(root) if p.name.startswith("epoch-")]
+    return [p for p in checkpoint_dirs(art) if p != art.step_dir]
 
 
-def prune(root: Path, keep_last: int, best_epoch: int | None) -> list[Path]:
+def prune(art: TrainArtifacts, keep_last: int, best_epoch: int | None) -> list[Path]:
     """Delete old epoch checkpoints and a covered step checkpoint; return what was deleted.
 
     Keeps the last `keep_last` epoch folders plus the best one; removes step-latest once an
     epoch checkpoint at or past its step exists.
     """
-    epochs = epoch_dirs(root)
+    epochs = epoch_dirs(art)
     keep = set(epochs[-keep_last:])
     if best_epoch is not None:
-        keep.add(epoch_dir(root, best_epoch))
+        keep.add(art.epoch_dir(best_epoch))
     doomed = [p for p in epochs if p not in keep]
-    step = root / STEP_LATEST
+    step = art.step_dir
     if step.is_dir() and epochs and read_state(epochs[-1]).step >= read_state(step).step:
         doomed.append(step)
     for p in doomed:
@@ -153,16 +149,18 @@ def prune(root: Path, keep_last: int, best_epoch: int | None) -> list[Path]:
     return doomed
 
 
-def best_or_last(root: Path) -> Path:
+def best_or_last(art: TrainArtifacts) -> Path:
     """The checkpoint export should use: the best validated epoch, else the last epoch.
 
     Raises:
         ArtifactError: no epoch checkpoint exists (the train stage has not finished).
     """
-    epochs = epoch_dirs(root)
+    epochs = epoch_dirs(art)
     if not epochs:
-        raise ArtifactError(f"{root}: no epoch checkpoint; the train stage must finish first")
+        raise ArtifactError(
+            f"{art.checkpoints_dir}: no epoch checkpoint; the train stage must finish first"
+        )
     best = read_state(epochs[-1]).best
-    if best and epoch_dir(root, int(best["epoch"])).is_dir():
-        return epoch_dir(root, int(best["epoch"]))
+    if best and art.epoch_dir(int(best["epoch"])).is_dir():
+        return art.epoch_dir(int(best["epoch"]))
     return epochs[-1]

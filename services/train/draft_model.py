@@ -137,13 +137,13 @@ def check_vocab(recipe: Recipe, tcfg: dict[str, Any], d2t: np.ndarray, t2d: np.n
     """
     if len(t2d) != int(tcfg["vocab_size"]):
         raise ContractMismatchError(
-            f"vocab/t2d.npy: length {len(t2d)} but the target vocab is {tcfg['vocab_size']}; "
-            "rerun the vocab stage for this target"
+            f"the draft vocabulary's t2d has length {len(t2d)} but the target vocab is "
+            f"{tcfg['vocab_size']}; rerun the vocab stage for this target"
         )
     try:
         check_d2t_t2d(d2t, t2d, recipe.draft.draft_vocab_size)
     except ContractMismatchError as e:
-        raise ContractMismatchError(f"vocab/d2t.npy, t2d.npy: {e}") from e
+        raise ContractMismatchError(f"the draft vocabulary (d2t, t2d): {e}") from e
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:

@@ -1,7 +1,7 @@
 """Export a trained draft: vLLM llama-style, speculators and SGLang folders, then lint them.
 
 Layout written (`shared/artifacts.py`, export/):
-    vllm/         llama-style (`services.train.draft_format.write_llama_draft`): the
+    vllm/         llama-style (`shared.draft.write_llama_draft`): the
                   trained weights renamed `layers.0.*` → `midlayer.*`, d2t/t2d inside
                   model.safetensors, target_hidden_size and every norm flag explicit
     speculators/  speculators' `save_pretrained` (bf16) of the same weights;
@@ -12,7 +12,7 @@ Layout written (`shared/artifacts.py`, export/):
                   output of layer i; `shared.conventions.sglang_layer_ids`, which refuses ids
                   whose first id is not 2); `config.json["eyrie"]` records the convention
                   written and the original Eyrie ids
-    lint.json     `{folder: {"ok", "problems"}}` from `draft_format.lint_draft_dir`
+    lint.json     `{folder: {"ok", "problems"}}` from `shared.draft.lint_draft_dir`
 
 Invariants: the export is rebuilt from the chosen checkpoint (best by validation, else the
 last epoch) plus the frozen weights reloaded from the target, so it never depends on the
@@ -29,17 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.train import checkpoints as ckpt
-from services.train.draft_format import (
-    NORM_FLAGS,
-    DraftSpec,
-    lint_draft_dir,
-    write_lint_report,
-    write_llama_draft,
-)
+from shared.artifacts import RunStore
 from shared.conventions import SGLANG_ID_CONVENTION, resolve_aux_layer_ids, sglang_layer_ids
+from shared.draft import NORM_FLAGS, DraftSpec, lint_draft_dir, write_llama_draft
 from shared.errors import ContractMismatchError
 from shared.recipe import Recipe
-from shared.store import RunStore, atomic_path, atomic_write_json
+from shared.records import ExportSummary
+from shared.store import atomic_path
 from shared.target import target_config
 
 if TYPE_CHECKING:
@@ -124,16 +120,15 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         ContractMismatchError: a folder fails the lint (after lint.json is written).
     """
     from services.train.draft_model import build_draft, load_trainable_state
-    from services.train.trainer import load_vocab
 
-    folder = ckpt.best_or_last(store.root / "train" / "checkpoints")
+    folder = ckpt.best_or_last(store.train)
     weights, state, _ = ckpt.load(folder)
-    d2t, t2d = load_vocab(store.root / "vocab")
+    d2t, t2d = store.vocab.read_maps()
     model = build_draft(recipe, d2t, t2d, device="cpu")
     load_trainable_state(model, weights)
     tcfg = target_config(recipe)
     aux_ids = resolve_aux_layer_ids(recipe.layers, int(tcfg["num_hidden_layers"]))
-    out = store.stage_dir("export")
+    art = store.export
     report = ExportReport(folder)
     meta = {
         "recipe_hash": recipe.recipe_hash(),
@@ -143,9 +138,9 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
     }
     spec = draft_spec(recipe, tcfg, aux_ids, meta)
     layer_weights = llama_weights(model)
-    write_llama_draft(out / "vllm", spec, layer_weights, d2t, t2d)
+    write_llama_draft(art.folder("vllm"), spec, layer_weights, d2t, t2d)
     report.written.append("vllm")
-    write_speculators(out / "speculators", model, int(tcfg["hidden_size"]))
+    write_speculators(art.folder("speculators"), model, int(tcfg["hidden_size"]))
     report.written.append("speculators")
     try:
         sg_ids = sglang_layer_ids(aux_ids)
@@ -158,7 +153,7 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
             "eyrie_aux_layer_ids": aux_ids,
         }
         write_llama_draft(
-            out / "sglang",
+            art.folder("sglang"),
             replace(spec, aux_layer_ids=sg_ids, meta=sg_meta),
             layer_weights,
             d2t,
@@ -167,14 +162,13 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         report.written.append("sglang")
     for name in report.written:
         report.lint[name] = lint_draft_dir(
-            out / name, tcfg, expect_verifier=recipe.target.path, expect_aux_ids=aux_ids
+            art.folder(name), tcfg, expect_verifier=recipe.target.path, expect_aux_ids=aux_ids
         )
-    write_lint_report(out / "lint.json", report.lint)
-    atomic_write_json(
-        out / "export.json",
-        {"checkpoint": folder.name, "skipped": report.skipped, "written": report.written},
+    art.write_lint(report.lint)
+    art.write_summary(
+        ExportSummary(checkpoint=folder.name, written=report.written, skipped=report.skipped)
     )
     bad = {k: v for k, v in report.lint.items() if v}
     if bad:
-        raise ContractMismatchError(f"{out}: exported drafts fail the lint: {bad}")
+        raise ContractMismatchError(f"{art.dir}: exported drafts fail the lint: {bad}")
     return report

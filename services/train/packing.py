@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from services.train.samples import Sample, SampleRef
+from services.train.samples import AlignedSample, SampleRef
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ def count_truncated(refs: Sequence[SampleRef], tokens_per_step: int) -> int:
     return sum(r.positions > tokens_per_step for r in refs)
 
 
-def collate(samples: Sequence[Sample], tokens_per_step: int) -> dict[str, torch.Tensor]:
+def collate(samples: Sequence[AlignedSample], tokens_per_step: int) -> dict[str, torch.Tensor]:
     """Pack samples into one speculators batch.
 
     Returns:
@@ -80,7 +80,7 @@ def collate(samples: Sequence[Sample], tokens_per_step: int) -> dict[str, torch.
         [torch.full((len(p.input_ids),), i, dtype=torch.long) for i, p in enumerate(parts)]
     )
 
-    def cat(field: Callable[[Sample], torch.Tensor]) -> torch.Tensor:
+    def cat(field: Callable[[AlignedSample], torch.Tensor]) -> torch.Tensor:
         return torch.cat([field(p) for p in parts]).unsqueeze(0)
 
     return {

@@ -1,12 +1,13 @@
-"""Training samples read from the extract stage's shards (speculators' offline layout).
+"""The draft's training and validation samples, read from the extract stage's shards.
 
-Responsibility: index every extracted sample, split them into train and validation, and
-load one sample as the draft's aligned inputs.
+Responsibility: index every extracted sample of a run, sort it into the training or the
+validation side by the run's split (`split/split.json`: held-out conversations), and load
+one sample as the draft's aligned inputs.
 
-Layout read (`shared/artifacts.py`, extract/): `extract/shard-N/data/` (HF save_to_disk with
-`input_ids`, `loss_mask`, `seq_len`), `extract/shard-N/hidden_states/hs_<row>.safetensors`
-(`hidden_states` bf16 `[seq_len, 3+1, H]`: the 3 aux layers, then the final PRE-norm state;
-`token_ids` int64 `[seq_len]`), and `extract/shard-N/meta.json`.
+Layout read (`shared.artifacts.ExtractArtifacts`): per shard `data/` (`input_ids`,
+`loss_mask`, `seq_len`), `hidden_states/hs_<row>.safetensors` (`hidden_states` bf16
+`[seq_len, 3+1, H]`: the 3 aux layers, then the final PRE-norm state; `token_ids` int64
+`[seq_len]`) and `meta.json`; the conversation of each row from `tokenize/shard-N/`.
 
 Alignment (speculators `models/eagle3/data.py: shift_batch`, vLLM's eagle proposer): the
 draft at position t sees the target's aux states `g_t` and the next token `x_{t+1}`, and is
@@ -20,20 +21,20 @@ skipping the first answer token), on purpose: EAGLE-3 conventions §4.
 
 Invariants: a row whose hidden-state file is missing (quarantined by extract) is skipped and
 counted, never trained; a sample with no trainable position after the shift is skipped and
-counted; a file whose shape disagrees with the shard's data raises `ArtifactError` naming
-the file (extract already checked its token ids).
+counted; a held-out conversation is never on the training side; a file whose shape
+disagrees with the shard's data raises `ArtifactError` naming the file.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shared.artifacts import RunStore
 from shared.conventions import NUM_AUX_LAYERS, shift_mask_left
 from shared.errors import ArtifactError, ContractMismatchError
-from shared.store import RunStore
+from shared.records import ExtractMeta
 
 if TYPE_CHECKING:
     import torch
@@ -44,22 +45,20 @@ class SampleRef:
     """One extracted sample: where it lives and how many aligned positions it gives.
 
     Attributes:
-        shard_dir: `extract/shard-N/`.
+        shard: the extract shard.
         row: row index in the shard's `data/` (and the `hs_<row>` file number).
         positions: aligned positions after the shift (seq_len - 1).
+        hs_file: its hidden-state file.
     """
 
-    shard_dir: Path
+    shard: int
     row: int
     positions: int
-
-    @property
-    def hs_file(self) -> Path:
-        return self.shard_dir / "hidden_states" / f"hs_{self.row}.safetensors"
+    hs_file: Path
 
 
 @dataclass
-class Sample:
+class AlignedSample:
     """One sample's aligned draft inputs (all CPU tensors, n = positions).
 
     Attributes:
@@ -76,103 +75,77 @@ class Sample:
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
 
-    def truncated(self, n: int) -> Sample:
+    def truncated(self, n: int) -> AlignedSample:
         """The first `n` positions."""
-        return Sample(*(t[:n] for t in self.__dict__.values()))
+        return AlignedSample(*(t[:n] for t in self.__dict__.values()))
 
 
 @dataclass
 class SampleIndex:
-    """All usable samples of a run and the counts of skipped ones.
+    """The usable samples of a run, on each side of the split, and the skipped ones.
 
     Attributes:
-        refs: usable samples, in (shard, row) order.
+        train: training samples, in (shard, row) order.
+        val: validation samples (held-out conversations), in (shard, row) order.
         aux_layer_ids: the aux ids every shard was extracted with.
         hidden_size: H.
         skipped: reason → count (missing_hidden_states, no_trainable_position).
     """
 
-    refs: list[SampleRef]
+    train: list[SampleRef]
+    val: list[SampleRef]
     aux_layer_ids: list[int]
     hidden_size: int
     skipped: dict[str, int]
 
 
-def extract_shards(store: RunStore) -> list[Path]:
-    """The extract stage's shard folders, sorted.
+def _check_meta(path: Path, meta: ExtractMeta, first: ExtractMeta) -> None:
+    if meta.final_state != "pre_norm":
+        raise ContractMismatchError(
+            f"{path}: final_state is {meta.final_state!r}; the trainer needs the final "
+            "state before the norm (EAGLE-3 conventions §2)"
+        )
+    if (meta.aux_layer_ids, meta.hidden_size) != (first.aux_layer_ids, first.hidden_size):
+        raise ContractMismatchError(
+            f"{path}: aux ids {meta.aux_layer_ids} / hidden size {meta.hidden_size} differ "
+            f"from the first shard's {first.aux_layer_ids} / {first.hidden_size}; re-extract "
+            "the run with one recipe"
+        )
+
+
+def index_samples(store: RunStore) -> SampleIndex:
+    """Index the usable extracted samples of the run, split into train and validation.
 
     Raises:
-        ArtifactError: there are none (run the extract stage first).
-    """
-    root = store.root / "extract"
-    shards = sorted(p for p in root.glob("shard-*") if p.is_dir()) if root.is_dir() else []
-    if not shards:
-        raise ArtifactError(f"{root}: no extract shards; the extract stage must run first")
-    return shards
-
-
-def index_samples(shard_dirs: list[Path]) -> SampleIndex:
-    """Index the usable samples of the given extract shards.
-
-    Raises:
-        ArtifactError: a shard lacks `data/` or `meta.json`.
+        ArtifactError: no extract shard has finished, or a shard lacks data or meta.
         ContractMismatchError: shards disagree on aux ids or hidden size, or a shard did not
             store the final state pre-norm.
     """
-    from datasets import load_from_disk
-
-    refs: list[SampleRef] = []
+    art = store.extract
+    shards = art.shards()
+    if not shards:
+        raise ArtifactError(f"{art.dir}: no finished extract shard; run the extract stage")
+    val_ids = store.split.val_ids()
+    train: list[SampleRef] = []
+    val: list[SampleRef] = []
     skipped = {"missing_hidden_states": 0, "no_trainable_position": 0}
-    metas = [_read_meta(d) for d in shard_dirs]
-    for shard_dir, meta in zip(shard_dirs, metas, strict=True):
-        if meta != metas[0]:
-            raise ContractMismatchError(
-                f"{shard_dir}/meta.json: aux ids/hidden size {meta} differ from "
-                f"{shard_dirs[0]}'s {metas[0]}; re-extract the run with one recipe"
-            )
-        data = load_from_disk(str(shard_dir / "data")).select_columns(["loss_mask", "seq_len"])
-        for row, rec in enumerate(data):
-            ref = SampleRef(shard_dir, row, int(rec["seq_len"]) - 1)
+    metas = [art.meta(s) for s in shards]
+    for shard, meta in zip(shards, metas, strict=True):
+        _check_meta(art.meta_path(shard), meta, metas[0])
+        data = art.data(shard)
+        convs = store.tokenize.dataset(shard)["conversation_id"]
+        for row, (mask, seq_len) in enumerate(zip(data["loss_mask"], data["seq_len"], strict=True)):
+            ref = SampleRef(shard, row, int(seq_len) - 1, art.hs_path(shard, row))
             if not ref.hs_file.is_file():
                 skipped["missing_hidden_states"] += 1
-            elif not any(shift_mask_left(rec["loss_mask"])[1:]):
+            elif not any(shift_mask_left(mask)[1:]):
                 skipped["no_trainable_position"] += 1
             else:
-                refs.append(ref)
-    return SampleIndex(refs, metas[0][0], metas[0][1], skipped)
+                (val if convs[row] in val_ids else train).append(ref)
+    return SampleIndex(train, val, metas[0].aux_layer_ids, metas[0].hidden_size, skipped)
 
 
-def _read_meta(shard_dir: Path) -> tuple[list[int], int]:
-    path = shard_dir / "meta.json"
-    if not path.is_file() or not (shard_dir / "data").is_dir():
-        raise ArtifactError(f"{shard_dir}: missing meta.json or data/ (extract did not finish)")
-    meta = json.loads(path.read_text())
-    if meta.get("final_state", "pre_norm") != "pre_norm":
-        raise ContractMismatchError(
-            f"{path}: final_state is {meta.get('final_state')!r}; the trainer needs the "
-            "final state before the norm (EAGLE-3 conventions §2)"
-        )
-    return [int(i) for i in meta["aux_layer_ids"]], int(meta["hidden_size"])
-
-
-def split_train_val(
-    refs: list[SampleRef], val_fraction: float, seed: int
-) -> tuple[list[SampleRef], list[SampleRef]]:
-    """Seeded split: a fixed permutation, the last `round(n * val_fraction)` held out.
-
-    At least one sample is held out when `val_fraction > 0` and there are 2 or more.
-    """
-    import torch
-
-    perm = torch.randperm(len(refs), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = round(len(refs) * val_fraction)
-    if val_fraction > 0 and len(refs) >= 2:
-        n_val = max(n_val, 1)
-    cut = len(refs) - n_val
-    return [refs[i] for i in perm[:cut]], [refs[i] for i in perm[cut:]]
-
-
-def load_sample(ref: SampleRef, loss_mask: list[int]) -> Sample:
+def load_sample(ref: SampleRef, loss_mask: list[int]) -> AlignedSample:
     """Load one sample's hidden states and align them (see the module docstring).
 
     Args:
@@ -194,7 +167,7 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> Sample:
             f"[{n}, {NUM_AUX_LAYERS + 1}, H] (seq_len from data/ row {ref.row})"
         )
     mask = shift_mask_left(loss_mask)[1:]
-    return Sample(
+    return AlignedSample(
         input_ids=tensors["token_ids"][1:].to(torch.long),
         aux=hs[:-1, :NUM_AUX_LAYERS].flatten(1),
         final=hs[1:, NUM_AUX_LAYERS],
@@ -204,15 +177,13 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> Sample:
 
 
 class SampleReader:
-    """Loads samples by ref, caching each shard's loss masks (one `load_from_disk` per shard)."""
+    """Loads samples by ref, caching each shard's loss masks (one dataset load per shard)."""
 
-    def __init__(self) -> None:
-        self._masks: dict[Path, list[list[int]]] = {}
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self._masks: dict[int, list[list[int]]] = {}
 
-    def __call__(self, ref: SampleRef) -> Sample:
-        if ref.shard_dir not in self._masks:
-            from datasets import load_from_disk
-
-            data = load_from_disk(str(ref.shard_dir / "data")).with_format(None)
-            self._masks[ref.shard_dir] = list(data["loss_mask"])
-        return load_sample(ref, self._masks[ref.shard_dir][ref.row])
+    def __call__(self, ref: SampleRef) -> AlignedSample:
+        if ref.shard not in self._masks:
+            self._masks[ref.shard] = list(self.store.extract.data(ref.shard)["loss_mask"])
+        return load_sample(ref, self._masks[ref.shard][ref.row])

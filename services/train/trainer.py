@@ -22,17 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from services.train import checkpoints as ckpt
 from services.train.acceptance import simulated_tau, teacher_head
 from services.train.draft_model import build_draft, load_trainable_state, trainable_state
 from services.train.metrics import MetricsLog, plot, step_metrics
 from services.train.packing import collate, count_truncated, epoch_order, pack
 from services.train.runtime import Runtime, resolve_runtime, unwrap
-from services.train.samples import SampleIndex, SampleReader, SampleRef, split_train_val
+from services.train.samples import SampleIndex, SampleReader, SampleRef
 from services.train.schedule import lr_shape
-from shared.errors import ArtifactError
+from shared.artifacts import RunStore
 from shared.progress import Progress
 from shared.recipe import Recipe
 
@@ -55,48 +53,31 @@ class TrainResult:
     resumed_from: Path | None
 
 
-def load_vocab(vocab_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    """`(d2t int64 [draft_vocab], t2d bool [target_vocab])` from the vocab stage.
-
-    Raises:
-        ArtifactError: a file is missing (run the vocab stage first).
-    """
-    paths = [vocab_dir / "d2t.npy", vocab_dir / "t2d.npy"]
-    for p in paths:
-        if not p.is_file():
-            raise ArtifactError(f"{p}: missing; the vocab stage must run before train")
-    return np.load(paths[0]).astype(np.int64), np.load(paths[1]).astype(bool)
-
-
 class Trainer:
     """One training run over an index of extracted samples.
 
     Args:
         recipe: the run's recipe.
-        index: the usable samples (`services.train.samples.index_samples`).
-        vocab: (d2t, t2d).
-        out_dir: the `train/` stage folder (checkpoints/, metrics.jsonl, metrics.png).
+        store: the run (samples, vocab and the train folder are read and written there).
+        index: the usable samples by split side (`services.train.samples.index_samples`).
         runtime: device and ranks; default from the recipe and environment.
     """
 
     def __init__(
         self,
         recipe: Recipe,
+        store: RunStore,
         index: SampleIndex,
-        vocab: tuple[np.ndarray, np.ndarray],
-        out_dir: Path,
         runtime: Runtime | None = None,
     ):
         import torch
 
-        self.recipe, self.cfg, self.out_dir = recipe, recipe.train, out_dir
+        self.recipe, self.cfg = recipe, recipe.train
+        self.art = store.train
         self.rt = runtime or resolve_runtime(recipe)
-        self.ckpt_root = out_dir / "checkpoints"
-        self.log = MetricsLog(out_dir / "metrics.jsonl")
-        self.train_refs, self.val_refs = split_train_val(
-            index.refs, self.cfg.val_fraction, self.cfg.seed
-        )
-        self.index, self.read = index, SampleReader()
+        self.log = MetricsLog(self.art.metrics_path)
+        self.train_refs, self.val_refs = index.train, index.val
+        self.index, self.read = index, SampleReader(store)
         self.plans = [
             self.rt.shard_steps(
                 pack(
@@ -108,7 +89,8 @@ class Trainer:
             for e in range(self.cfg.epochs)
         ]
         torch.manual_seed(self.cfg.seed)
-        draft = build_draft(recipe, *vocab, device=self.rt.device).to(self.rt.device)
+        draft = build_draft(recipe, *store.vocab.read_maps(), device=self.rt.device)
+        draft = draft.to(self.rt.device)
         self.model = self.rt.wrap(draft)
         params = [p for p in draft.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -133,7 +115,7 @@ class Trainer:
     # -- resume ----------------------------------------------------------------------------
     def resume(self) -> Path | None:
         """Load the latest checkpoint, if any; truncate metrics to it. Returns its folder."""
-        folder = ckpt.latest(self.ckpt_root)
+        folder = ckpt.latest(self.art)
         if folder is None:
             return None
         weights, self.state, ts = ckpt.load(folder)
@@ -185,7 +167,7 @@ class Trainer:
                 self.train_epoch(bar)
                 self._end_epoch()
         if self.rt.is_main:
-            plot(self.log.read(), self.out_dir / "metrics.png", self.cfg.ttt_steps)
+            plot(self.log.read(), self.art.plot_path, self.cfg.ttt_steps)
         return TrainResult(self.state, self._counts(), resumed)
 
     def train_epoch(self, bar: Progress, max_steps: int | None = None) -> None:
@@ -208,7 +190,7 @@ class Trainer:
             bar.update(1, loss=round(record["loss"], 4), tok_s=round(record["tokens_per_s"]))
             every = self.cfg.step_checkpoint_every
             if every and self.state.step % every == 0 and self.state.step_in_epoch < len(plan):
-                self.save(self.ckpt_root / ckpt.STEP_LATEST)
+                self.save(self.art.step_dir)
 
     def train_step(self, refs: list[SampleRef]) -> dict[str, Any]:
         """One optimizer step on the packed samples `refs`. Returns its metrics record."""
@@ -296,8 +278,8 @@ class Trainer:
             self._teacher_head = teacher_head(self.draft)
         sim = simulated_tau(
             self.draft,
-            [self.read(r) for r in self.val_refs],
-            self.recipe.eval.num_speculative_tokens,
+            (self.read(r) for r in self.val_refs),
+            self.recipe.bench.num_speculative_tokens,
             self._teacher_head,
             self.rt.autocast_dtype,
         )
@@ -313,9 +295,9 @@ class Trainer:
         self.state.epoch, self.state.step_in_epoch = finished, 0
         if self.rt.is_main:
             self.log.write(record)
-            self.save(ckpt.epoch_dir(self.ckpt_root, finished))
+            self.save(self.art.epoch_dir(finished))
             best = self.state.best.get("epoch")
-            ckpt.prune(self.ckpt_root, self.cfg.keep_last, best)
+            ckpt.prune(self.art, self.cfg.keep_last, best)
 
     def _counts(self) -> dict[str, int]:
         return {

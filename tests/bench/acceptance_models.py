@@ -2,7 +2,7 @@
 
 - `untied_zero_head_target`: a copy of SmolLM2 with its embeddings untied and `lm_head`
   zeroed. Every logit is 0, so greedy decoding always picks token 0.
-- the matching draft is `services.train.draft_format.random_llama_draft(...,
+- the matching draft is `shared.draft.random_llama_draft(...,
   zero_lm_head=True)` with token 0 in its vocab (`d2t[0] == 0`): its logits are all 0 too,
   so it always proposes target token 0 and every draft token is accepted (τ == k + 1).
 """

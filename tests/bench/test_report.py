@@ -1,4 +1,4 @@
-"""Report, flags, plots and `--compare` on hand-built shard results."""
+"""Report, flags, plots, the report stage and `eyrie compare` on hand-built shard results."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import pytest
 
 from services.bench.report import build_report, to_markdown
 from services.conductor.cli import main
+from shared.artifacts import RunStore
+from shared.draft import random_llama_draft
+from shared.recipe import resolve_recipe
+from tests.conftest import run_stage
+
+AUX = [2, 15, 27]
 
 
 def _window(t: float, c: int, tok_s: float, counters: dict | None = None) -> dict:
@@ -118,41 +124,112 @@ def _png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_write_report_makes_json_md_and_pngs(tmp_path):
-    from services.bench.jobs import write_report
+def _run_with_bench_shards(tmp_path, smollm2_path, base, eag, draft_aux=AUX) -> RunStore:
+    """A run whose bench shards hold `base`/`eag` and whose export holds a random draft."""
+    recipe = resolve_recipe(
+        {
+            "name": "report",
+            "target": {"path": str(smollm2_path)},
+            "datasets": [{"path": "x.jsonl"}],
+            "layers": AUX,
+            "bench": {"num_speculative_tokens": 3, "num_prompts": 4, "max_tokens": 32},
+        }
+    )
+    store = RunStore.create(recipe, root=tmp_path / "data")
+    store.bench.write_shard(0, base)
+    store.bench.write_shard(1, eag)
+    random_llama_draft(smollm2_path, store.export.vllm_draft, draft_aux, 64)
+    return store
 
+
+def test_report_stage_writes_json_md_and_pngs(tmp_path, smollm2_path):
     base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
-    files = write_report(tmp_path, build_report(base, eag, META, []))
-    assert sorted(p.name for p in files) == [
+    store = _run_with_bench_shards(tmp_path, smollm2_path, base, eag)
+    (m,) = run_stage(store, "report")
+    assert sorted(p.name for p in store.report.dir.iterdir() if p.suffix != ".json") == [
         "acceptance.png",
-        "report.json",
         "report.md",
         "speedup.png",
     ]
-    assert _png_size(tmp_path / "speedup.png") == (600, 400)
-    assert _png_size(tmp_path / "acceptance.png") == (600, 400)
-    assert json.loads((tmp_path / "report.json").read_text())["run_id"] == "r1"
+    assert _png_size(store.report.speedup_plot) == (600, 400)
+    assert _png_size(store.report.acceptance_plot) == (600, 400)
+    rep = store.report.read()
+    assert (rep["run_id"], rep["target"], rep["k"]) == (store.run_id, str(smollm2_path), 3)
+    assert rep["tau"]["0.0"] == pytest.approx(2.1)  # 1 + 22/20
+    assert [f["kind"] for f in rep["flags"]] == ["slower"]  # the draft matches: nothing confirmed
+    assert store.report.markdown_path.read_text() == to_markdown(rep)
+    assert m.counts == {"rows": 2, "flags": 1}
+    assert m.extra["tau"]["0.0"] == pytest.approx(2.1)
 
 
-def test_cli_compare_prints_both_runs(tmp_path, capsys):
+def test_report_stage_confirms_a_wrong_export_behind_a_low_tau(tmp_path, smollm2_path):
+    base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
+    store = _run_with_bench_shards(tmp_path, smollm2_path, base, eag, draft_aux=[1, 14, 26])
+    run_stage(store, "report")
+    low = next(f for f in store.report.read()["flags"] if f["kind"] == "low_tau")
+    assert any("[2, 15, 27]" in p and "[1, 14, 26]" in p for p in low["confirmed"])
+
+
+def test_report_stage_without_a_bench_shard_fails(tmp_path, smollm2_path):
+    from shared.errors import ArtifactError
+
+    base, eag = _shards((1.0, 1.0), (_ctr(1, 1, [1, 0, 0]), _ctr(1, 1, [1, 0, 0])))
+    store = _run_with_bench_shards(tmp_path, smollm2_path, base, eag)
+    store.bench.shard_path(1).unlink()
+    with pytest.raises(ArtifactError, match="bench shard 1 has not run"):
+        run_stage(store, "report")
+    assert not store.is_done("report")
+
+
+def _two_reports():
     a_base, a_eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
     b_base, b_eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
-    a = build_report(a_base, a_eag, META, [])
-    b = build_report(b_base, b_eag, {**META, "run_id": "r2"}, [])
-    (tmp_path / "a.json").write_text(json.dumps(a))
-    (tmp_path / "b.json").write_text(json.dumps(b))
-    assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
-    out = capsys.readouterr().out
+    return build_report(a_base, a_eag, META, []), build_report(
+        b_base, b_eag, {**META, "run_id": "r2"}, []
+    )
+
+
+def _check_compare(out: str) -> None:
     assert "A = r1 vs B = r2" in out
     assert "| 0 | 1 | 0.91 | 2.00 | 2.100 | 3.000 |" in out  # b at c=1: 180/90, 1 + 20/10
     assert "A FLAG (slower)" in out
 
 
+def test_cli_compare_prints_both_runs(tmp_path, capsys):
+    a, b = _two_reports()
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    _check_compare(capsys.readouterr().out)
+
+
+def test_cli_compare_by_run_id_and_by_run_folder(tmp_path, data_dir, capsys):
+    import shutil
+
+    from shared.store import atomic_write_json
+
+    a, b = _two_reports()
+    for run_id, rep in (("run-a", a), ("run-b", b)):
+        atomic_write_json(RunStore(run_id).report.json_path, rep)
+    assert main(["compare", "run-a", "run-b"]) == 0
+    _check_compare(capsys.readouterr().out)
+    assert main(["compare", str(RunStore("run-a").root), str(RunStore("run-b").root)]) == 0
+    _check_compare(capsys.readouterr().out)
+    # A run folder copied out of the data root is still a run folder.
+    copied = tmp_path / "elsewhere" / "run-a-copy"
+    shutil.copytree(RunStore("run-a").root, copied)
+    assert main(["compare", str(copied), "run-b"]) == 0
+    _check_compare(capsys.readouterr().out)
+
+
 def test_cli_compare_unknown_run_exits_1(tmp_path, data_dir, capsys):
-    assert main(["bench", "--compare", "nope-1", "nope-2"]) == 1
-    assert "no report.json" in capsys.readouterr().err
+    assert main(["compare", "nope-1", "nope-2"]) == 1
+    err = capsys.readouterr().err
+    assert "nope-1: no report" in err and str(RunStore("nope-1").report.json_path) in err
 
 
 def test_cli_bench_needs_a_recipe(capsys):
-    assert main(["bench"]) == 2
-    assert "give one RECIPE" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench"])
+    assert e.value.code == 2
+    assert "required: recipe" in capsys.readouterr().err

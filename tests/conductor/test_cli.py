@@ -1,5 +1,7 @@
-"""The `eyrie` CLI: light import boundary, exit codes, recipe check."""
+"""The `eyrie` CLI: light import boundary, exit codes, recipe check, one stage in-process."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +46,9 @@ def test_help_lists_commands():
     assert out.returncode == 0
     for cmd in ("recipe", "run", "status", "worker", "stage", "reconcile"):
         assert cmd in out.stdout
+    # the commands the services add through the `eyrie.commands` entry points
+    for cmd in ("serve", "bench", "compare", "tau", "prep-stats", "demo"):
+        assert cmd in out.stdout
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
@@ -73,3 +78,36 @@ def test_unreachable_redis_message(tmp_path):
     assert out.returncode == 1
     assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in out.stderr
     assert "hunter2" not in out.stderr
+
+
+def test_stage_command_plans_first_and_runs_one_shard(tmp_path):
+    rows = [
+        {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+        for i in range(6)
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"name: cli-stage\ntarget: {{path: /m}}\ndatasets: [{{path: {data}}}]\n"
+        "prep: {shard_rows: 4}\n"
+    )
+    env = {**os.environ, "EYRIE_DATA": str(tmp_path / "data")}
+    out = _eyrie("stage", "prep", str(recipe), "--shard", "1", env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["stage"], result["shard"]) == ("prep", 1)
+    assert result["counts"] == {"rows_in": 2, "kept": 2, "skipped": 0}  # the last 2 of 6 rows
+    again = _eyrie("stage", "prep", str(recipe), "--shard", "1", env=env)
+    assert again.returncode == 0 and "prep[1] already done" in again.stdout
+    bad = _eyrie("stage", "prep", str(recipe), "--shard", "2", env=env)
+    assert bad.returncode == 2 and "shard 2 out of range (0..1)" in bad.stderr
+    early = _eyrie("stage", "split", str(recipe), env=env)  # dedup has not run
+    assert early.returncode == 1 and "missing; the stage that writes it" in early.stderr
+
+
+def test_prep_stats_refuses_a_malformed_run_id(tmp_path):
+    out = _eyrie("prep-stats", "--", "-rf", env={**os.environ, "EYRIE_DATA": str(tmp_path)})
+    assert out.returncode == 2 and "run id '-rf'" in out.stderr
+    out = _eyrie("prep-stats", "nope-1", env={**os.environ, "EYRIE_DATA": str(tmp_path)})
+    assert out.returncode == 2 and "run 'nope-1': no such run" in out.stderr

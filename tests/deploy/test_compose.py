@@ -104,7 +104,7 @@ def test_every_gpu_service_reserves_gpus(services):
 
 
 def test_the_conductor_sees_the_gpus_for_the_free_check(services):
-    # services.serve.gpu runs nvidia-smi before a GPU phase; the toolkit only mounts it into
+    # services.conductor.gpu runs nvidia-smi before a GPU phase; the toolkit only mounts it into
     # containers that request the GPUs with the utility capability.
     assert any(
         {"gpu", "utility"} <= set(caps) for caps in reserved_capabilities(services["conductor"])
@@ -163,7 +163,7 @@ def test_workers_serve_every_queue_with_the_right_worker_kind(services, redis_ur
 
     workers = worker_queues(services)
     assert workers == {
-        "prep-worker": ["prep", "regen", "eval"],
+        "prep-worker": ["prep", "regen", "bench"],
         "extractor": ["extract"],
         "trainer": ["train"],
     }
@@ -213,7 +213,7 @@ def test_vllm_service(services):
     # HF_HOME is the mount point of the shared HF cache volume.
     hf_mount = mounts(vllm)[env["HF_HOME"]]
     assert (hf_mount["type"], hf_mount["source"]) == ("volume", "hf-cache")
-    # The image is pinned, and the same one recipes give the launcher's docker backend.
+    # The image is pinned, and the same one recipes give the docker backend (serve.image).
     image = vllm["image"]
     assert image.startswith("vllm/vllm-openai:v") and not image.endswith(":latest")
     assert image == ServeConfig().image

@@ -180,7 +180,11 @@ def test_requirements_helper_reads_pyproject():
         text=True,
         check=True,
     ).stdout
-    assert "rq>=2.0" in out.splitlines() and "docker>=7" in out.splitlines()
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert out.splitlines() == deps
+    assert "rq>=2.0,<4" in deps and "docker>=7" in deps  # the parse itself is checked
 
 
 # -- the Redis service's command, run for real ----------------------------------------------

@@ -107,7 +107,7 @@ def test_eagle3_refuses_a_folder_that_is_not_a_draft(tmp_path, smollm2_path):
 
 @pytest.mark.slow
 def test_eagle3_command_and_every_mode_parse_with_vllm(tmp_path, smollm2_path):
-    from services.train.draft_format import random_llama_draft
+    from shared.draft import random_llama_draft
 
     draft = tmp_path / "draft"
     random_llama_draft(smollm2_path, draft, [2, 15, 27], 1024)

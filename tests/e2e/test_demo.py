@@ -23,10 +23,10 @@ from redis import Redis
 
 from services.conductor.demo import DEMO_RECIPE, QUICK_OVERRIDES, start_workers
 from services.conductor.processes import free_port
-from services.conductor.stages import STAGES, pipeline, shards_of
-from services.train.draft_format import lint_draft_dir
+from shared.artifacts import RunStore
+from shared.draft import lint_draft_dir
 from shared.recipe import resolve_recipe
-from shared.store import RunStore
+from shared.stage import get_stage, pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Free ports for the demo's two servers, so the test never collides with a running server.
@@ -89,27 +89,40 @@ def quick_run(tmp_path_factory, redis_server):
 def test_every_stage_manifest_with_consistent_counts(quick_run):
     store, recipe = quick_run["store"], quick_run["recipe"]
     for stage in pipeline(recipe):
-        for shard in shards_of(stage, store):
+        for shard in stage.shard_numbers(store):
             assert store.is_done(stage.name, shard), f"{stage.name}[{shard}] has no manifest"
-    n = len(shards_of(STAGES["prep"], store))
+    n = len(get_stage("prep").shard_numbers(store))
     assert n >= 2  # several prep shards: the two prep workers share them
-    dedup_kept = json.loads((store.root / "dedup" / "keep.json").read_text())
+    kept = [len(store.dedup.conversations(shard)) for shard in range(n)]
     for shard in range(n):
         prep = store.read_manifest("prep", shard).counts
         regen = store.read_manifest("regen", shard).counts
         tok = store.read_manifest("tokenize", shard).counts
         ext = store.read_manifest("extract", shard).counts
         assert prep["kept"] + prep["skipped"] == prep["rows_in"]
-        assert regen["input"] == len(dedup_kept[str(shard)]) <= prep["kept"]
+        assert regen["input"] == kept[shard] <= prep["kept"]
         assert regen["success"] + regen["error"] + regen["skipped"] == regen["input"]
         assert tok["rows_in"] == regen["success"]
         assert ext["rows"] == tok["samples"]
         assert ext["written"] + ext["quarantined"] == ext["rows"]
-    vocab = store.read_manifest("vocab").counts
-    tokens = sum(store.read_manifest("tokenize", s).counts["assistant_tokens"] for s in range(n))
-    assert vocab["assistant_tokens"] == tokens
+    # The split holds out conversations of the deduplicated set, chosen once.
+    split = store.split.read()
+    dedup_ids = {c.id for shard in range(n) for c in store.dedup.conversations(shard)}
+    assert split.conversations == sum(kept) == len(dedup_ids)
+    assert 0 < len(split.val_ids) < len(dedup_ids) and set(split.val_ids) <= dedup_ids
+    # vocab counts the assistant tokens of the training split only.
+    val, train_tokens, val_rows = set(split.val_ids), 0, 0
+    for shard in range(n):
+        for row in store.tokenize.dataset(shard):
+            if row["conversation_id"] in val:
+                val_rows += 1
+            else:
+                train_tokens += sum(row["loss_mask"])
+    assert store.read_manifest("vocab").counts["assistant_tokens"] == train_tokens
+    # train validates on the held-out rows and trains on the rest of what extract wrote.
     train = store.read_manifest("train").counts
     written = sum(store.read_manifest("extract", s).counts["written"] for s in range(n))
+    assert 0 < train["val_samples"] <= val_rows
     assert train["train_samples"] + train["val_samples"] <= written
     assert store.read_manifest("export").counts["lint_problems"] == 0
 
@@ -117,13 +130,13 @@ def test_every_stage_manifest_with_consistent_counts(quick_run):
 def test_exported_draft_passes_lint(quick_run):
     store, recipe = quick_run["store"], quick_run["recipe"]
     target_cfg = json.loads((Path(recipe.target.path) / "config.json").read_text())
-    assert lint_draft_dir(store.root / "export" / "vllm", target_cfg, recipe.target.path) == []
+    assert lint_draft_dir(store.export.vllm_draft, target_cfg, recipe.target.path) == []
 
 
 def test_counters_moved_and_tau_matches_them(quick_run):
     store = quick_run["store"]
-    eagle = json.loads((store.root / "eval" / "shard-00001.json").read_text())
-    report = json.loads((store.root / "report" / "report.json").read_text())
+    eagle = json.loads(store.bench.shard_path(1).read_text())  # shard 1: the eagle3 server
+    report = json.loads(store.report.json_path.read_text())
     windows = [w for w in eagle["windows"] if w["temperature"] == 0.0]
     drafts = sum(w["counters"]["drafts"] for w in windows)
     accepted = sum(w["counters"]["accepted"] for w in windows)
@@ -141,12 +154,12 @@ def test_demo_printed_final_table(quick_run):
 
 def test_second_run_is_a_noop_with_same_result(quick_run):
     store = quick_run["store"]
-    before = (store.root / "report" / "report.json").read_bytes()
+    before = store.report.json_path.read_bytes()
     mtimes = {p: p.stat().st_mtime for p in store.root.rglob("manifest-*.json")}
     log = quick_run["data"] / "demo2.log"
     proc = _demo(quick_run["data"], quick_run["redis"], log)
     assert proc.returncode == 0, log.read_text()[-3000:]
-    assert (store.root / "report" / "report.json").read_bytes() == before
+    assert store.report.json_path.read_bytes() == before
     assert {p: p.stat().st_mtime for p in store.root.rglob("manifest-*.json")} == mtimes
 
 
@@ -171,9 +184,8 @@ def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
     resume_overrides = [*OVERRIDES, "train.epochs=4", "train.step_checkpoint_every=2"]
     recipe = resolve_recipe(DEMO_RECIPE, resume_overrides)
     store = RunStore.create(recipe, root=quick_run["data"])
-    for stage in ("plan", "prep", "dedup", "regen", "tokenize", "vocab", "extract"):
-        shutil.copytree(base.root / stage, store.root / stage, dirs_exist_ok=True)
-    shutil.copy(base.root / "plan.json", store.root / "plan.json")
+    for stage in ("plan", "prep", "dedup", "split", "regen", "tokenize", "vocab", "extract"):
+        shutil.copytree(base.stage_dir(stage), store.stage_dir(stage), dirs_exist_ok=True)
     env = _env(quick_run["data"], quick_run["redis"])
     overrides = [arg for o in resume_overrides for arg in ("-o", o)]
     with ExitStack() as stack:
@@ -190,12 +202,10 @@ def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
         stack.callback(_terminate, conductor)  # lets it stop the vLLM servers it started
         trainer = next(w for w in workers if "train" in w.args)
         deadline = time.monotonic() + 600
-        ckpt_dir = store.root / "train"
+        ckpt_dir = store.train.checkpoints_dir
         # A finished checkpoint, not one still being written in a `.tmp-*` folder.
         while not [
-            p
-            for p in ckpt_dir.glob("checkpoints/*/training_state.pt")
-            if not p.parent.name.startswith(".")
+            p for p in ckpt_dir.glob("*/training_state.pt") if not p.parent.name.startswith(".")
         ]:
             assert time.monotonic() < deadline, "training never wrote a checkpoint"
             assert conductor.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
@@ -208,9 +218,7 @@ def test_killed_trainer_resumes_from_checkpoint(quick_run, tmp_path):
     train = store.read_manifest("train")
     assert train.extra.get("resumed_from"), "training did not resume from a checkpoint"
     metrics = [
-        json.loads(x)
-        for x in (store.root / "train" / "metrics.jsonl").read_text().splitlines()
-        if x.strip()
+        json.loads(x) for x in store.train.metrics_path.read_text().splitlines() if x.strip()
     ]
     steps = [m["step"] for m in metrics if m.get("kind") == "step"]
     assert steps == list(range(1, len(steps) + 1))  # resumed: no logged step repeated or lost

@@ -6,14 +6,25 @@ import os
 
 import pytest
 
+from shared.artifacts import RunStore
 from shared.recipe import resolve_recipe
-from shared.store import RunStore
 from tests.conftest import smollm2_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def make_recipe(smollm2_path, draft_vocab_size=32000, **extract):
+def run_extract(store, shard, extractor=None):
+    """One extract shard in this process with a ready extractor (the stage body's
+    `extract_shard`), then its manifest, as `shared.stage.execute` writes it. Returns it."""
+    from services.extract.stage import extract_shard
+    from shared.stage import StageContext, get_stage
+
+    ctx = StageContext(store, store.recipe(), get_stage("extract"), shard)
+    result = extract_shard(ctx, extractor)
+    return store.write_manifest("extract", shard, result.counts, result.files, result.extra)
+
+
+def make_recipe(smollm2_path, **extract):
     """A SmolLM2 recipe with default layers and the given `extract.*` settings."""
     return resolve_recipe(
         {

@@ -1,12 +1,13 @@
-"""Real tokenized shards for extraction and vocab tests (and scripts/bench_extract.py).
+"""Real tokenized shards for extraction and vocab tests.
 
 Real ShareGPT V3 conversations (`services.prep.sharegpt_pkg`), adapted by the prep adapter,
 rendered with SmolLM2's real ChatML template and tokenized once (`add_special_tokens=False`).
 The loss mask marks each assistant turn's content and its `<|im_end|>`, found by rendering
 prefixes (eagle3-conventions.md §4); the newline after `<|im_end|>` stays 0.
 
-This is test data, not the tokenize stage (services/prep owns that): it writes the
-`tokenize/shard-N/` layout of `shared/artifacts.py` so extract and vocab can be tested alone.
+This is test data, not the tokenize stage (services/prep owns that): the rows are made here,
+independently of the stage, and written through the run store's tokenize writer
+(`shared.artifacts.TokenizeArtifacts`) so extract and vocab can be tested alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 from services.prep.formats import RowRejected, adapt_sharegpt
 from services.prep.sharegpt_pkg import iter_sharegpt
-from shared.store import RunStore, atomic_path
+from shared.artifacts import RunStore, TokenizedSample, write_model
+from shared.records import Plan, Split
 
 
 def sharegpt_messages(n: int, skip: int = 0) -> Iterator[tuple[str, list[dict[str, Any]]]]:
@@ -67,27 +69,56 @@ def tokenized_rows(tok: Any, n: int, max_len: int, skip: int = 0) -> list[dict[s
         r = tokenize_chat(tok, msgs, max_len)
         if sum(r["loss_mask"]) == 0:
             continue
-        rows.append({**r, "seq_len": len(r["input_ids"]), "id": sid, "source": "sharegpt-v3"})
+        rows.append(
+            {
+                **r,
+                "seq_len": len(r["input_ids"]),
+                "id": sid,
+                "conversation_id": sid,
+                "source": "sharegpt-v3",
+            }
+        )
         if len(rows) == n:
             break
     return rows
 
 
 def write_tokenized_shard(store: RunStore, shard: int, rows: list[dict[str, Any]]) -> Path:
-    """Write `rows` as `tokenize/shard-N/` (HF save_to_disk, shared/artifacts.py types)."""
-    from datasets import Dataset, Features, Sequence, Value
+    """Write `rows` as `tokenize/shard-N/` through the run store's tokenize writer."""
+    samples = [
+        TokenizedSample(
+            id=r["id"],
+            conversation_id=r.get("conversation_id", r["id"]),
+            source=r["source"],
+            input_ids=list(r["input_ids"]),
+            loss_mask=list(r["loss_mask"]),
+        )
+        for r in rows
+    ]
+    store.tokenize.write(shard, samples, {"samples": len(samples)})
+    return store.tokenize.dataset_path(shard)
 
-    features = Features(
-        {
-            "input_ids": Sequence(Value("int32")),
-            "loss_mask": Sequence(Value("int8")),
-            "seq_len": Value("int32"),
-            "id": Value("string"),
-            "source": Value("string"),
-        }
+
+def write_plan(store: RunStore, num_shards: int, shard_rows: int = 1000) -> Path:
+    """A plan of `num_shards` shards for a run whose inputs a test writes by hand (no datasets
+    are read: the per-shard stages only take their shard count from it)."""
+    plan = Plan(
+        recipe_hash=store.recipe().recipe_hash(),
+        num_shards=num_shards,
+        shard_rows=shard_rows,
+        selected=num_shards * shard_rows,
+        datasets=[],
     )
-    cols = {k: [r[k] for r in rows] for k in features}
-    path = store.shard_path("tokenize", shard, "")
-    with atomic_path(path) as tmp:
-        Dataset.from_dict(cols, features=features).save_to_disk(str(tmp))
-    return path
+    return write_model(store.plan.plan_path, plan)
+
+
+def write_split(store: RunStore, conversation_ids: list[str], val_ids: list[str]) -> None:
+    """The run's held-out split: `val_ids` of `conversation_ids` (no benchmark prompts)."""
+    recipe = store.recipe()
+    split = Split(
+        seed=recipe.train.seed,
+        val_fraction=recipe.train.val_fraction,
+        conversations=len(conversation_ids),
+        val_ids=list(val_ids),
+    )
+    store.split.write(split, [])

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.extract.backend import HFExtractor
-from services.extract.hf_backend import extract_batch, teacher_logits
+from services.extract.hf_backend import HFExtractor, extract_batch, teacher_logits
 from tests.extract.conftest import make_recipe
 
 pytestmark = pytest.mark.slow

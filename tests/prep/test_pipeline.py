@@ -1,4 +1,4 @@
-"""Plan → prep → dedup → tokenize in-process on real files and the real SmolLM2 tokenizer.
+"""plan → prep → dedup → split → tokenize → vocab in-process on real files and SmolLM2's tokenizer.
 
 Expected ids come from HF's own `apply_chat_template(tokenize=True)` and expected mask sums
 from tokenizing each assistant content + `<|im_end|>` alone: paths independent of
@@ -11,19 +11,23 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from services.prep import jobs
-from services.prep.plan import make_plan, read_plan, weighted_quotas
-from shared.errors import StageFailedError
+from services.prep.plan import weighted_quotas
+from services.prep.tokenize import run_stats
+from shared.artifacts import RunStore
+from shared.errors import InputError, StageFailedError
+from shared.mtbench import mtbench_first_turns
 from shared.recipe import resolve_recipe
-from shared.store import RunStore
+from tests.conftest import run_stage
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SAMPLES = Path(__file__).parents[1] / "fixtures" / "samples"
+COLUMNS = ["input_ids", "loss_mask", "seq_len", "id", "conversation_id", "source"]
 
 
-def make_recipe(smollm2_path, datasets, **prep):
+def make_recipe(smollm2_path, datasets, train=None, **prep):
     return resolve_recipe(
         {
             "name": "prep-test",
@@ -31,22 +35,26 @@ def make_recipe(smollm2_path, datasets, **prep):
             "datasets": datasets,
             "prep": {"shard_rows": 4, "max_len_tokens": 512, **prep},
             "regen": {"enabled": False},
+            "train": train or {},
         }
     )
 
 
-def run_all(store, recipe):
-    n = make_plan(store, recipe)
-    for s in range(n):
-        jobs.run_prep(store, recipe, s)
-    jobs.run_dedup(store, recipe, 0)
-    for s in range(n):
-        jobs.run_tokenize(store, recipe, s)
-    return n
+def run_all(store, until="tokenize"):
+    for name in ("plan", "prep", "dedup", "split", "tokenize", "vocab"):
+        run_stage(store, name)
+        if name == until:
+            break
+    return store.plan.num_shards()
 
 
 def conv(q, a):
     return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
 
 
 def test_weighted_quotas_by_hand():
@@ -55,27 +63,50 @@ def test_weighted_quotas_by_hand():
     assert weighted_quotas(10, [1, 1], [2, 100]) == [2, 5]
 
 
-def test_truncated_json_keeps_complete_records_and_reports_byte_offset(
-    tmp_path, data_dir, smollm2_path
-):
+def _broken_json(tmp_path):
     rows = [conv(f"question é {i}", f"answer {i}") for i in range(6)]
     text = json.dumps(rows, ensure_ascii=False)
     cut = text.rindex('{"conversations"', 0, text.index("question é 5"))
     broken = tmp_path / "broken.json"
     broken.write_text(text[: cut + 30], encoding="utf-8")
-    recipe = make_recipe(smollm2_path, [{"path": str(broken)}])
+    return broken, rows, len(text[:cut].encode("utf-8"))
+
+
+def test_truncated_json_is_refused_naming_the_byte_offset(tmp_path, data_dir, smollm2_path):
+    broken, _, offset = _broken_json(tmp_path)
+    store = RunStore.create(make_recipe(smollm2_path, [{"path": str(broken)}]))
+    with pytest.raises(InputError) as e:
+        run_stage(store, "plan")
+    msg = str(e.value)
+    assert f"{broken}: truncated at byte {offset}" in msg
+    assert "5 complete rows" in msg and "datasets[0].allow_truncated: true" in msg
+    assert not store.is_done("plan")
+
+
+def test_truncated_json_allowed_keeps_complete_records(tmp_path, data_dir, smollm2_path):
+    broken, rows, offset = _broken_json(tmp_path)
+    recipe = make_recipe(smollm2_path, [{"path": str(broken), "allow_truncated": True}])
     store = RunStore.create(recipe)
-    make_plan(store, recipe)
-    ds = read_plan(store)["datasets"][0]
-    assert ds["rows"] == 5 and ds["load"]["truncated"] is True
-    assert ds["load"]["error_byte_offset"] == len(text[:cut].encode("utf-8"))
+    run_stage(store, "plan")
+    ds = store.plan.read().datasets[0]
+    assert ds.rows == 5 and ds.reader == "json_array" and ds.load.truncated is True
+    assert ds.load.error_byte_offset == offset
+    run_stage(store, "prep")
+    got = sorted(
+        (c for s in range(store.plan.num_shards()) for c in store.prep.conversations(s)),
+        key=lambda c: c.id,
+    )
+    assert [c.id for c in got] == [f"broken:{i}" for i in range(5)]
+    for c in got:
+        src = rows[int(c.id.split(":")[1])]["conversations"]
+        assert [(m.role, m.content) for m in c.messages] == [
+            ("user", src[0]["value"]),
+            ("assistant", src[1]["value"]),
+        ]
 
 
 def test_pipeline_counts_masks_dedup_and_mixed_formats(tmp_path, data_dir, smollm2_path):
-    from datasets import load_from_disk
     from transformers import AutoTokenizer
-
-    from services.bench.prompts import mtbench_first_turns
 
     mt = mtbench_first_turns()[0]
     rows = [conv(f"What is {i} + {i}?", f"It is {2 * i}.") for i in range(8)]
@@ -91,34 +122,63 @@ def test_pipeline_counts_masks_dedup_and_mixed_formats(tmp_path, data_dir, smoll
             ]
         },
     ]
+    lines = [(json.dumps(r) + "\n").encode() for r in rows] + [b"{not json\n"]
     path = tmp_path / "mixed.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+    path.write_bytes(b"".join(lines))
     recipe = make_recipe(smollm2_path, [{"path": str(path)}], min_kept_fraction=0.1)
     store = RunStore.create(recipe)
-    n = run_all(store, recipe)
-    plan = read_plan(store)
-    assert n == 3 and plan["datasets"][0]["adapter"] == "sharegpt"
-    assert plan["datasets"][0]["load"]["bad_lines"] == [
-        {"line": 13, "error": "Expecting property name enclosed in double quotes"}
-    ]
-    reports = [
-        json.loads(store.shard_path("prep", s, ".report.json").read_text()) for s in range(n)
-    ]
-    assert sum(r["rows_in"] for r in reports) == 12
+    n = run_all(store)
+    plan = store.plan.read()
+    # 13 rows (the bad line is a row of the plan now), 4 per shard
+    assert n == 4 and plan.selected == 13 and plan.datasets[0].adapter == "sharegpt"
+    assert plan.datasets[0].load.bad_lines == []  # the plan parses no JSON any more
+    reports = [json.loads(store.prep.report_path(s).read_text()) for s in range(n)]
+    assert sum(r["rows_in"] for r in reports) == 13
+    assert sum(r["kept"] for r in reports) == 11
     assert sum(r["skipped"].get("format_mismatch", 0) for r in reports) == 1
+    assert sum(r["skipped"].get("bad_json", 0) for r in reports) == 1
     assert sum(r["realigned"].get("leading_non_user_turns_dropped", 0) for r in reports) == 1
-    assert json.loads((store.root / "dedup/report.json").read_text()) == {
+    quarantined = [
+        json.loads(line)
+        for s in range(n)
+        for line in store.prep.quarantine_path(s).read_text().splitlines()
+    ]
+    bad = [q for q in quarantined if q["reason"] == "bad_json"]
+    # json.loads("{not json") fails at character 1 of the 13th line
+    assert bad == [
+        {
+            "file": str(path),
+            "row": 12,
+            "field": "<row>",
+            "reason": "bad_json",
+            "detail": f"byte {len(b''.join(lines[:12])) + 1}: "
+            "Expecting property name enclosed in double quotes",
+            "raw": "",
+        }
+    ]
+    assert sorted(q["reason"] for q in quarantined) == ["bad_json", "format_mismatch"]
+    assert json.loads(store.dedup.report_path.read_text()) == {
         "duplicates": 1,
         "contaminated": 1,
         "kept": 9,
     }
 
+    # dedup writes the kept conversations of each prep shard, in prep order
+    prep_ids = [c.id for s in range(n) for c in store.prep.conversations(s)]
+    later_dup = max(("mixed:3", "mixed:8"), key=prep_ids.index)
+    for s in range(n):
+        expect = [c for c in store.prep.conversations(s) if c.id not in ("mixed:9", later_dup)]
+        assert store.dedup.conversations(s) == expect
+    kept_ids = [c.id for s in range(n) for c in store.dedup.conversations(s)]
+    assert sorted(kept_ids) == sorted(set(prep_ids) - {"mixed:9", later_dup})
+
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     total = 0
     for s in range(n):
-        ds = load_from_disk(str(store.shard_path("tokenize", s, "")))
-        assert ds.column_names == ["input_ids", "loss_mask", "seq_len", "id", "source"]
+        ds = store.tokenize.dataset(s)
+        assert ds.column_names == COLUMNS
         for r in ds:
+            assert r["conversation_id"] == r["id"]
             src = rows[int(r["id"].split(":")[1])]
             turns = src["conversations"][-2:]
             msgs = [
@@ -134,54 +194,173 @@ def test_pipeline_counts_masks_dedup_and_mixed_formats(tmp_path, data_dir, smoll
             assert r["source"] == "mixed"
             total += 1
     assert total == 9
-    stats = jobs.run_stats(store)
+    stats = run_stats(store)
     assert stats["samples"] == 9 and stats["per_source"]["mixed"]["samples"] == 9
+
+
+def test_invalid_utf8_line_is_quarantined(tmp_path, data_dir, smollm2_path):
+    good = [(json.dumps(conv(f"q{i}", f"a{i}")) + "\n").encode() for i in range(3)]
+    bad = b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}\n'  # latin-1 é
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(good[0] + bad + good[1] + good[2])
+    store = RunStore.create(make_recipe(smollm2_path, [{"path": str(path)}], shard_rows=10))
+    run_stage(store, "plan")
+    run_stage(store, "prep")
+    report = json.loads(store.prep.report_path(0).read_text())
+    assert report["rows_in"] == 4 and report["kept"] == 3
+    assert report["skipped"] == {"invalid_utf8": 1}
+    (q,) = [json.loads(x) for x in store.prep.quarantine_path(0).read_text().splitlines()]
+    offset = len(good[0]) + bad.index(b"\xe9")
+    assert (q["row"], q["reason"]) == (1, "invalid_utf8")
+    assert q["detail"].startswith(f"byte {offset}: ")
+
+
+def test_split_holds_out_deterministically(tmp_path, data_dir, smollm2_path):
+    rows = [conv(f"Question number {i}?", f"Answer number {i}.") for i in range(20)]
+    rows.append(conv("Question number 3?", "a duplicate, dropped by dedup"))
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    train = {"seed": 7, "val_fraction": 0.1}
+    store = RunStore.create(make_recipe(smollm2_path, [{"path": str(path)}], train))
+    n = run_all(store, until="split")
+    split = store.split.read()
+    ids = [c.id for s in range(n) for c in store.dedup.conversations(s)]
+    assert len(ids) == split.conversations == 20
+    # the documented rule: a seeded permutation of the ids in dedup order, its last
+    # round(20 * 0.1) = 2 held out
+    perm = np.random.default_rng(7).permutation(20)
+    assert split.val_ids == [ids[i] for i in perm[-2:]]
+    assert (split.seed, split.val_fraction) == (7, 0.1)
+    # the held-out prompts: each conversation cut before its first assistant turn
+    prompts = store.split.heldout_prompts()
+    assert [p.id for p in prompts] == split.val_ids
+    for p in prompts:
+        q = rows[int(p.id.split(":")[1])]["conversations"][0]["value"]
+        assert [(m.role, m.content) for m in p.messages] == [("user", q)]
+
+    # the same recipe elsewhere, and other shard sizes, hold out the same conversations
+    again = RunStore.create(store.recipe(), root=tmp_path / "again")
+    run_all(again, until="split")
+    assert again.split.split_path.read_bytes() == store.split.split_path.read_bytes()
+    resharded = RunStore.create(
+        make_recipe(smollm2_path, [{"path": str(path)}], train, shard_rows=7)
+    )
+    assert resharded.run_id != store.run_id
+    run_all(resharded, until="split")
+    assert resharded.split.val_ids() == set(split.val_ids)
+
+    tiny = RunStore.create(
+        make_recipe(smollm2_path, [{"path": str(path)}], {"seed": 7, "val_fraction": 0.01})
+    )
+    run_all(tiny, until="split")
+    assert len(tiny.split.read().val_ids) == 1  # round(0.2) = 0, but at least one
+    none = RunStore.create(
+        make_recipe(smollm2_path, [{"path": str(path)}], {"seed": 7, "val_fraction": 0.0})
+    )
+    run_all(none, until="split")
+    assert none.split.read().val_ids == [] and none.split.heldout_prompts() == []
+
+
+def test_vocab_counts_only_the_training_split(tmp_path, data_dir, smollm2_path):
+    from transformers import AutoTokenizer
+
+    words = ["apple", "banana", "cherry", "damson", "elderberry", "fig", "grape", "hazelnut"]
+    rows = [conv(f"Name fruit {i}.", f"The fruit is {w}.") for i, w in enumerate(words)]
+    path = write_jsonl(tmp_path / "fruit.jsonl", rows)
+    recipe = resolve_recipe(
+        {
+            "name": "vocab-test",
+            "target": {"path": str(smollm2_path)},
+            "datasets": [{"path": str(path)}],
+            "prep": {"shard_rows": 3, "max_len_tokens": 512},
+            "regen": {"enabled": False},
+            "draft": {"draft_vocab_size": 64},
+            "train": {"val_fraction": 0.25},
+        }
+    )
+    store = RunStore.create(recipe)
+    run_all(store, until="vocab")
+    val = store.split.val_ids()
+    assert len(val) == 2
+
+    # Expected counts from the tokenizer alone: each answer's loss-masked tokens are its
+    # content plus <|im_end|> (SmolLM2's end of turn), tokenized on their own.
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    vocab = 49152
+
+    def counts(ids_wanted):
+        ids = [
+            t
+            for i, w in enumerate(words)
+            if f"fruit:{i}" in ids_wanted
+            for t in tok(f"The fruit is {w}.<|im_end|>", add_special_tokens=False)["input_ids"]
+        ]
+        return np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab)
+
+    train_ids = {f"fruit:{i}" for i in range(8)} - val
+    expected = counts(train_ids)
+    freq = np.load(store.vocab.freq_path)
+    assert freq.dtype == np.int64 and freq.shape == (vocab,)
+    assert np.array_equal(freq, expected)
+    assert not np.array_equal(freq, counts(train_ids | val))  # the held-out ones had tokens
+    cov = store.vocab.coverage()
+    assert cov.assistant_tokens == int(expected.sum()) and cov.coverage == 1.0
+    assert cov.distinct_seen == int((expected > 0).sum()) and cov.draft_vocab == 64
+
+    # the draft vocab: top 64 by count, ties by lower id (so unused ids fill it, lowest
+    # first), ascending; d2t holds offsets (target = draft + d2t[draft])
+    chosen = sorted(sorted(range(vocab), key=lambda i: (-expected[i], i))[:64])
+    d2t, t2d = store.vocab.read_maps()
+    assert np.flatnonzero(t2d).tolist() == chosen
+    assert (np.arange(64) + d2t).tolist() == chosen
 
 
 def test_truncation_counted_and_untrainable_dropped(tmp_path, data_dir, smollm2_path):
     long_q = "word " * 600
     rows = [conv(long_q, "answer"), conv("short?", "fine " * 600)]
-    path = tmp_path / "long.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
     recipe = make_recipe(smollm2_path, [{"path": str(path)}], dedup=False)
     store = RunStore.create(recipe)
-    run_all(store, recipe)
-    rep = json.loads(store.shard_path("tokenize", 0, ".report.json").read_text())
+    run_all(store)
+    rep = json.loads(store.tokenize.report_path(0).read_text())
     assert rep["truncated"] == 2
     assert rep["dropped:no_trainable_token"] == 1 and rep["kept"] == 1
+    assert len(store.tokenize.dataset(0)["input_ids"][0]) == 512
 
 
 def test_prep_fails_below_kept_fraction(tmp_path, data_dir, smollm2_path):
     rows = [{"conversations": []}] * 3 + [conv("q", "a")]
-    path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
     recipe = make_recipe(smollm2_path, [{"path": str(path)}], min_kept_fraction=0.5)
     store = RunStore.create(recipe)
-    make_plan(store, recipe)
+    run_stage(store, "plan")
     with pytest.raises(StageFailedError, match=r"kept 1/4 rows.*empty_conversation"):
-        jobs.run_prep(store, recipe, 0)
-    q = store.shard_path("prep", 0, ".quarantine.jsonl").read_text().splitlines()
+        run_stage(store, "prep")
+    q = store.prep.quarantine_path(0).read_text().splitlines()
     assert len(q) == 3 and json.loads(q[0])["reason"] == "empty_conversation"
     assert not store.is_done("prep", 0)
 
 
 def test_sharegpt_wheel_preset_plan_is_deterministic(data_dir, smollm2_path, tmp_path):
-    recipe = make_recipe(smollm2_path, [{"preset": "sharegpt-v3-wheel", "max_samples": 10}])
+    spec = {"preset": "sharegpt-v3-wheel", "max_samples": 10, "allow_truncated": True}
+    recipe = make_recipe(smollm2_path, [spec])
     a = RunStore.create(recipe)
-    make_plan(a, recipe)
+    run_stage(a, "plan")
     b = RunStore.create(recipe, root=tmp_path / "other")
-    make_plan(b, recipe)
-    plan = (a.root / "plan.json").read_text()
-    assert plan == (b.root / "plan.json").read_text()
-    info = json.loads(plan)["datasets"][0]
-    assert info["rows"] == 17671 and info["selected"] == 10  # real-inputs.md: 17,671
+    run_stage(b, "plan")
+    for name in ("plan.json", "selection.npy", "index-000.npy"):
+        assert (a.plan.dir / name).read_bytes() == (b.plan.dir / name).read_bytes(), name
+    assert a.read_manifest("plan").files == b.read_manifest("plan").files
+    info = a.plan.read().datasets[0]
+    assert info.rows == 17671 and info.selected == 10  # real-inputs.md: 17,671
+    assert info.load.truncated is True and a.plan.read().num_shards == 3
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
 def test_parquet_and_arrow_load_through_datasets(tmp_path, suffix):
     import datasets
 
-    from services.prep.loaders import read_path
+    from services.prep.sources import index_source, read_rows, resolve_source
+    from shared.recipe import DatasetSpec
 
     rows = json.loads((SAMPLES / "alpaca_en_demo.json").read_text())[:7]
     ds = datasets.Dataset.from_list(rows)
@@ -191,18 +370,21 @@ def test_parquet_and_arrow_load_through_datasets(tmp_path, suffix):
     else:
         ds.save_to_disk(str(tmp_path / "saved"))
         path = next((tmp_path / "saved").glob("*.arrow"))
-    got, report = read_path(str(path))
-    assert got == rows and report["rows"] == 7
+    source = resolve_source(DatasetSpec(path=str(path)), 0)
+    assert source.reader == "hf"
+    ranges, load = index_source(source)
+    assert ranges is None and load.rows == 7 and load.file == str(path)
+    assert read_rows(source, None, list(range(7))) == rows
+    assert read_rows(source, None, [5, 0]) == [rows[5], rows[0]]
 
 
 def test_prep_stats_command(tmp_path, data_dir, smollm2_path, capsys):
     from services.conductor.cli import main
 
-    path = tmp_path / "two.jsonl"
-    path.write_text(json.dumps(conv("Hi", "Hello there")) + "\n")
+    path = write_jsonl(tmp_path / "two.jsonl", [conv("Hi", "Hello there")])
     recipe = make_recipe(smollm2_path, [{"path": str(path)}])
     store = RunStore.create(recipe)
-    run_all(store, recipe)
+    run_all(store)
     assert main(["prep-stats", store.run_id]) == 0
     out = capsys.readouterr().out
     # SmolLM2 ChatML with its default system prompt: "Hello there<|im_end|>" is 3 tokens.

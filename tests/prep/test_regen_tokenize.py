@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 
-from services.prep import jobs
-from services.prep.plan import make_plan
+from shared.artifacts import RunStore
 from shared.recipe import resolve_recipe
-from shared.store import RunStore
+from shared.records import RegenRecord
+from tests.conftest import run_stage
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,7 +38,6 @@ def _pieces(tok, pieces):
 
 
 def test_regen_rows_use_server_ids(tmp_path, data_dir, smollm2_path):
-    from datasets import load_from_disk
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
@@ -53,7 +52,7 @@ def test_regen_rows_use_server_ids(tmp_path, data_dir, smollm2_path):
         }
     )
     store = RunStore.create(recipe)
-    make_plan(store, recipe)
+    run_stage(store, "plan")
 
     server_prompt = list(
         tok.apply_chat_template(
@@ -64,20 +63,26 @@ def test_regen_rows_use_server_ids(tmp_path, data_dir, smollm2_path):
     first_turn = {"prompt_token_ids": [1], "completion_token_ids": [2], "finish_reason": "stop"}
 
     def rec(i, prompt, completion, finish):
-        return {
-            "id": f"src:{i}",
-            "source": "src",
-            "messages": MSGS,
-            "tools": None,
-            "turns": [
-                first_turn,
-                {
-                    "prompt_token_ids": prompt,
-                    "completion_token_ids": completion,
-                    "finish_reason": finish,
-                },
-            ],
-        }
+        return RegenRecord.model_validate(
+            {
+                "row": i,
+                "id": f"src:{i}",
+                "source": "src",
+                "messages": MSGS,
+                "tools": None,
+                "turns": [
+                    first_turn,
+                    {
+                        "prompt_token_ids": prompt,
+                        "completion_token_ids": completion,
+                        "finish_reason": finish,
+                    },
+                ],
+                "sampling": {"temperature": 0.7},
+                "chat_template_kwargs": {},
+                "server": {"model": "smollm2", "url": "http://127.0.0.1:1/v1"},
+            }
+        )
 
     rows = [
         rec(0, server_prompt, answer + [2], "stop"),  # server returned <|im_end|>
@@ -85,11 +90,10 @@ def test_regen_rows_use_server_ids(tmp_path, data_dir, smollm2_path):
         rec(2, server_prompt, answer, "length"),  # cut by max_tokens: nothing appended
         rec(3, [7] + server_prompt, answer + [2], "stop"),
     ]  # local render differs
-    path = store.shard_path("regen", 0, ".jsonl")
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store.regen.write(0, rows, [])
 
-    jobs.run_tokenize(store, recipe, 0)
-    ds = load_from_disk(str(store.shard_path("tokenize", 0, "")))
+    run_stage(store, "tokenize")
+    ds = store.tokenize.dataset(0)
     exp_prompt_ids, exp_prompt_mask = _pieces(
         tok,
         [
@@ -107,6 +111,7 @@ def test_regen_rows_use_server_ids(tmp_path, data_dir, smollm2_path):
     assert ds[2]["loss_mask"] == exp_prompt_mask + [1] * n
     assert ds[3]["input_ids"] == [7] + server_prompt + answer + [2]
     assert ds[3]["loss_mask"] == [0] * (len(server_prompt) + 1) + [1] * (n + 1)
-    rep = json.loads(store.shard_path("tokenize", 0, ".report.json").read_text())
+    assert ds["conversation_id"] == ds["id"] == [f"src:{i}" for i in range(4)]
+    rep = json.loads(store.tokenize.report_path(0).read_text())
     assert rep["eot_appended"] == 1 and rep["prompt_render_mismatch"] == 1
     assert rep["input"] == "regen"

@@ -18,12 +18,12 @@ from services.prep.template import (
     TemplateQuirk,
     assistant_mask,
     get_quirk,
-    load_tokenizer,
     register_quirk,
-    render_ids,
     turn_end,
 )
+from shared.chat import render_ids
 from shared.errors import ConfigError
+from shared.tokenizer import TokenizerSpec, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,7 +39,7 @@ CONV = [
 @pytest.fixture(scope="module")
 def toks(smollm2_path, tokenizer_dirs):
     paths = {"smollm2": smollm2_path, **tokenizer_dirs}
-    return {k: load_tokenizer(str(v)) for k, v in paths.items()}
+    return {k: load_tokenizer(TokenizerSpec(str(v))) for k, v in paths.items()}
 
 
 def _pieces(tok, pieces):

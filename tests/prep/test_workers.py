@@ -11,11 +11,14 @@ import pytest
 from rq import Worker
 
 from services.conductor.processes import start_worker
-from services.prep import jobs
-from services.prep.plan import make_plan
+from shared.artifacts import RunStore
 from shared.queue import JobSpec, connect, enqueue, get_queue, job_id
 from shared.recipe import resolve_recipe
-from shared.store import RunStore, sha256_tree
+from shared.store import sha256_tree
+from tests.conftest import run_stage
+
+#: The prep-queue stages up to tokenize, in pipeline order (vocab loads torch: left out).
+STAGES = ("plan", "prep", "dedup", "split", "tokenize")
 
 SAMPLES = Path(__file__).parents[1] / "fixtures" / "samples"
 ROOT = Path(__file__).parents[2]
@@ -56,14 +59,21 @@ def _wait_done(store: RunStore, stage: str, shards, timeout_s: float = 300) -> N
 
 def _outputs(store: RunStore, n: int) -> dict[str, str]:
     files = {
-        "plan.json": store.root / "plan.json",
-        "dedup/keep.json": store.root / "dedup/keep.json",
+        "plan.json": store.plan.plan_path,
+        "selection.npy": store.plan.selection_path,
+        "index-000.npy": store.plan.index_path(0),
+        "index-001.npy": store.plan.index_path(1),
+        "dedup/report.json": store.dedup.report_path,
+        "split.json": store.split.split_path,
+        "heldout.jsonl": store.split.heldout_path,
     }
     for s in range(n):
-        for suffix in (".jsonl", ".quarantine.jsonl", ".report.json"):
-            files[f"prep{s}{suffix}"] = store.shard_path("prep", s, suffix)
-        files[f"tok{s}"] = store.shard_path("tokenize", s, "")
-        files[f"tok{s}.report"] = store.shard_path("tokenize", s, ".report.json")
+        files[f"prep{s}"] = store.prep.conversations_path(s)
+        files[f"prep{s}.quarantine"] = store.prep.quarantine_path(s)
+        files[f"prep{s}.report"] = store.prep.report_path(s)
+        files[f"dedup{s}"] = store.dedup.conversations_path(s)
+        files[f"tok{s}"] = store.tokenize.dataset_path(s)
+        files[f"tok{s}.report"] = store.tokenize.report_path(s)
     return {k: sha256_tree(v) for k, v in files.items()}
 
 
@@ -72,16 +82,13 @@ def _outputs(store: RunStore, n: int) -> dict[str, str]:
 def test_two_rq_workers_match_one_process(tmp_path, redis_url, smollm2_path):
     recipe = _recipe(smollm2_path)
     single = RunStore.create(recipe, root=tmp_path / "single")
-    n = make_plan(single, recipe)
-    for s in range(n):
-        jobs.run_prep(single, recipe, s)
-    jobs.run_dedup(single, recipe, 0)
-    for s in range(n):
-        jobs.run_tokenize(single, recipe, s)
+    for stage in STAGES:
+        run_stage(single, stage)
+    n = single.plan.num_shards()
+    assert n == 5
 
     data = tmp_path / "multi"
     multi = RunStore.create(recipe, root=data)
-    assert make_plan(multi, recipe) == n == 5
     conn = connect(redis_url)
     procs = _start_workers(2, data, redis_url)
     try:
@@ -89,7 +96,8 @@ def test_two_rq_workers_match_one_process(tmp_path, redis_url, smollm2_path):
         while len(Worker.all(connection=conn)) < 2:  # both listening before any job exists
             assert time.monotonic() < deadline, "workers did not start"
             time.sleep(0.2)
-        for stage, shards in (("prep", range(n)), ("dedup", [0]), ("tokenize", range(n))):
+        for stage in STAGES:
+            shards = range(n) if stage in ("prep", "tokenize") else [0]
             for s in shards:
                 enqueue(JobSpec("prep", multi.run_id, stage, s, 600, retries=0), conn)
             _wait_done(multi, stage, shards)
@@ -106,6 +114,7 @@ def test_two_rq_workers_match_one_process(tmp_path, redis_url, smollm2_path):
     }
     assert names == {"prep-test-0", "prep-test-1"}  # both workers really took jobs
     assert _outputs(multi, n) == _outputs(single, n)
-    assert [m.files for m in multi.manifests("tokenize")] == [
-        m.files for m in single.manifests("tokenize")
-    ]
+    for stage in STAGES:
+        assert [m.files for m in multi.manifests(stage)] == [
+            m.files for m in single.manifests(stage)
+        ], stage

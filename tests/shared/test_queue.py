@@ -43,7 +43,7 @@ def test_enqueue_uses_json_and_explicit_timeout(redis_url):
     assert job.id == "run-1-prep-2" and job.timeout == 1234
     assert job.kwargs == {"run_id": "run-1", "stage": "prep", "shard": 2}
     raw = zlib.decompress(conn.hget(job.key, "data"))  # rq stores zlib(serializer output)
-    assert json.loads(raw)[0] == "services.conductor.jobs.run_stage_job"  # JSON, not pickle
+    assert json.loads(raw)[0] == "shared.stage.run_stage_job"  # JSON, not pickle
     again = enqueue(JobSpec("prep", "run-1", "prep", 2, timeout_s=1234), conn)
     assert again.id == job.id and len(get_queue("prep", conn)) == 1
 

@@ -8,7 +8,7 @@ import yaml
 from pydantic import BaseModel
 
 from shared.errors import ConfigError
-from shared.recipe import Recipe, resolve_recipe, sanitize_id
+from shared.recipe import Recipe, check_run_id, resolve_recipe, sanitize_id
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -58,7 +58,7 @@ def test_kimi_recipe_settings():
         ({"target": {"path": "/m", "dtype": "int3"}}, "target.dtype: must be 'bfloat16'"),
         ({"layers": [2, 15]}, "layers: must list exactly 3 aux layer ids (got 2)"),
         ({"layers": [2, 2, 5]}, "layers: aux layer ids must be distinct"),
-        ({"eval": {"concurrency": [1, 0]}}, "eval.concurrency: must be a non-empty list"),
+        ({"bench": {"concurrency": [1, 0]}}, "bench.concurrency: must be a non-empty list"),
         (
             {"datasets": [{"preset": "a", "path": "/b"}]},
             "datasets[0]: give exactly one of 'preset' or 'path'",
@@ -85,8 +85,8 @@ def test_missing_required_section(tmp_path):
 
 def test_overrides_applied_then_validated(tmp_path):
     p = _write(tmp_path, MINIMAL)
-    r = resolve_recipe(p, ["train.lr=1e-4", "eval.concurrency=[1, 2]"])
-    assert r.train.lr == 1e-4 and r.eval.concurrency == [1, 2]
+    r = resolve_recipe(p, ["train.lr=1e-4", "bench.concurrency=[1, 2]"])
+    assert r.train.lr == 1e-4 and r.bench.concurrency == [1, 2]
     with pytest.raises(ConfigError, match="train.lr: must be greater than 0"):
         resolve_recipe(p, ["train.lr=-1"])
     with pytest.raises(ConfigError, match="expected key.path=value"):
@@ -112,9 +112,32 @@ def test_run_id_is_stable_and_changes_with_content():
     assert a.run_id() == b.run_id() != c.run_id()
 
 
-@pytest.mark.parametrize(("text", "out"), [("kimi-k2.5", "kimi-k2_5"), ("a b/c", "a_b_c")])
+@pytest.mark.parametrize(
+    ("text", "out"),
+    [("kimi-k2.5", "kimi-k2_5"), ("a b/c", "a_b_c"), ("--rm x", "rm_x"), ("-_-a", "a")],
+)
 def test_sanitize_id(text, out):
     assert sanitize_id(text) == out
+
+
+def test_run_ids_cannot_pass_for_options_or_paths():
+    r = resolve_recipe({**MINIMAL, "name": "-x"})
+    assert r.run_id().startswith("x-") and check_run_id(r.run_id()) == r.run_id()
+    for bad in ("-x-12345678", "a/b", "a.b", "", "x" * 74):
+        with pytest.raises(ConfigError, match="run id"):
+            check_run_id(bad)
+    longest = resolve_recipe({**MINIMAL, "name": "n" * 64}).run_id()
+    assert len(longest) == 64 + 9 and check_run_id(longest) == longest
+    with pytest.raises(ConfigError, match="name: .*at most 64 characters"):
+        resolve_recipe({**MINIMAL, "name": "n" * 65})
+    with pytest.raises(ConfigError, match="name: .*at least 1 character"):
+        resolve_recipe({**MINIMAL, "name": ""})
+
+
+def test_old_eval_section_is_refused_by_name(tmp_path):
+    """The benchmark section is `bench` now; an old recipe's `eval` is an unknown key."""
+    with pytest.raises(ConfigError, match="eval: unknown key"):
+        resolve_recipe(_write(tmp_path, {**MINIMAL, "eval": {"num_prompts": 8}}))
 
 
 def _submodel(ann):

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from shared.artifacts import RunStore
 from shared.recipe import Recipe, resolve_recipe
-from shared.store import RunStore
 from tests.conftest import smollm2_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,27 +36,30 @@ def train_recipe(smollm2_path: Path, **train: Any) -> Recipe:
                 "seed": 0,
                 **train,
             },
-            "eval": {"num_speculative_tokens": 3},
+            "extract": {"device": "cpu"},
+            "bench": {"num_speculative_tokens": 3},
         }
     )
 
 
 @pytest.fixture(scope="session")
-def extract_data(smollm2_path, tmp_path_factory) -> Path:
-    """32 real samples (<= 96 tokens) in 2 extract shards, plus vocab/ (2048 draft ids)."""
+def extract_data(smollm2_path, tmp_path_factory) -> RunStore:
+    """A run with 32 real samples (<= 96 tokens) in 2 extract shards, their tokenized rows,
+    the held-out split (4 samples) and vocab/ (2048 draft ids)."""
     from tests.train.data import make_extract_data
 
-    return make_extract_data(tmp_path_factory.mktemp("extract-data"), smollm2_path)
+    root = tmp_path_factory.mktemp("extract-data") / "data"
+    return make_extract_data(root, train_recipe(smollm2_path))
 
 
 @pytest.fixture
 def make_run(extract_data, tmp_path):
-    """A fresh run store for a recipe whose extract/ and vocab/ are the shared real data."""
+    """A fresh run store for a recipe whose input stages are the shared real data."""
+    from tests.train.data import link_inputs
 
     def make(recipe: Recipe) -> RunStore:
         store = RunStore.create(recipe, root=tmp_path / "data")
-        for name in ("extract", "vocab"):
-            (store.root / name).symlink_to(extract_data / name)
+        link_inputs(store, extract_data)
         return store
 
     return make
@@ -65,20 +68,20 @@ def make_run(extract_data, tmp_path):
 @pytest.fixture(scope="session")
 def reference_run(extract_data, smollm2_path, tmp_path_factory) -> RunStore:
     """The test recipe trained to the end once (2 epochs), in its own run store."""
-    from services.train.jobs import run_train
+    from tests.conftest import run_stage
+    from tests.train.data import link_inputs
 
     recipe = train_recipe(smollm2_path)
     store = RunStore.create(recipe, root=tmp_path_factory.mktemp("reference") / "data")
-    for name in ("extract", "vocab"):
-        (store.root / name).symlink_to(extract_data / name)
-    run_train(store, recipe, 0)
+    link_inputs(store, extract_data)
+    run_stage(store, "train")
     return store
 
 
 @pytest.fixture(scope="session")
 def exported_run(reference_run) -> RunStore:
     """The reference run exported (vllm, speculators, sglang folders + lint.json)."""
-    from services.train.jobs import run_export
+    from tests.conftest import run_stage
 
-    run_export(reference_run, reference_run.recipe(), 0)
+    run_stage(reference_run, "export")
     return reference_run

@@ -1,27 +1,26 @@
-"""Real extracted hidden states for trainer tests (and scripts/bench_train.py).
+"""Real extracted hidden states for trainer tests.
 
-Real ShareGPT V3 conversations, rendered with SmolLM2's real ChatML template and masked by
-the prep stage's own rule (`services.prep.template.assistant_mask`), run through the real
-SmolLM2 by the extract stage's HF backend (`services.extract.hf_backend.extract_batch`), and
-written in the extract/vocab layouts of `shared/artifacts.py`. The draft vocab comes from the
-real loss-masked token counts (`shared.conventions.select_draft_vocab`).
+Real ShareGPT V3 conversations (first user turn + answer), rendered with SmolLM2's real
+ChatML template and masked by the prep stage's own rule (`services.prep.template.
+assistant_mask`), written as tokenized shards, then run through the real extract stage (hf
+backend, SmolLM2 bf16 on CPU) and the real vocab stage of a run store. The held-out split is
+chosen by the split stage's rule (`services.prep.split.held_out`) over the rows' ids.
 
-This is test data, not the extract stage (services/extract owns that): it writes only what
-the trainer reads.
+The trainer tests link these stage folders into their own runs (`make_run` in conftest.py).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from shared.artifacts import RunStore
+from shared.recipe import Recipe
+from tests.conftest import run_stage
+from tests.extract.data import write_plan, write_split, write_tokenized_shard
 
-from shared.conventions import build_d2t_t2d, select_draft_vocab
-from shared.store import atomic_path
-
-AUX_IDS = [2, 15, 27]
+#: The stage folders a trainer run reads (and the tests link into their own runs).
+INPUT_STAGES = ("plan", "tokenize", "split", "extract", "vocab")
 
 
 def sharegpt_rows(tok: Any, n: int, max_len: int) -> list[dict[str, Any]]:
@@ -42,86 +41,35 @@ def sharegpt_rows(tok: Any, n: int, max_len: int) -> list[dict[str, Any]]:
         ids, mask = ids[:max_len], mask[:max_len]
         if sum(mask[2:]) < 8:
             continue
-        rows.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
+        sid = f"sharegpt:{rec['id']}"
+        rows.append({"input_ids": ids, "loss_mask": mask, "id": sid, "source": "sharegpt-v3"})
         if len(rows) == n:
             return rows
     raise RuntimeError(f"ShareGPT ran out after {len(rows)} usable rows")
 
 
-def write_extract_shard(shard_dir: Path, rows: list[dict[str, Any]], states: list[Any]) -> None:
-    """Write `extract/shard-N/` (data/, hidden_states/hs_<row>.safetensors, meta.json)."""
-    import torch
-    from datasets import Dataset, Features, Sequence, Value
-    from safetensors.torch import save_file
-
-    feats = Features(
-        {
-            "input_ids": Sequence(Value("int32")),
-            "loss_mask": Sequence(Value("int8")),
-            "seq_len": Value("int32"),
-        }
-    )
-    with atomic_path(shard_dir) as tmp:
-        Dataset.from_dict({k: [r[k] for r in rows] for k in feats}, features=feats).save_to_disk(
-            str(tmp / "data")
-        )
-        (tmp / "hidden_states").mkdir()
-        for i, (r, hs) in enumerate(zip(rows, states, strict=True)):
-            save_file(
-                {
-                    "hidden_states": hs.contiguous(),
-                    "token_ids": torch.tensor(r["input_ids"], dtype=torch.long),
-                },
-                str(tmp / "hidden_states" / f"hs_{i}.safetensors"),
-            )
-        (tmp / "meta.json").write_text(
-            json.dumps(
-                {
-                    "aux_layer_ids": AUX_IDS,
-                    "final_state": "pre_norm",
-                    "hidden_size": 576,
-                    "dtype": "bfloat16",
-                }
-            )
-        )
-
-
-def write_vocab(
-    vocab_dir: Path, rows: list[dict[str, Any]], draft_vocab: int, target_vocab: int
-) -> None:
-    """`vocab/{token_freq,d2t,t2d}.npy` from the rows' loss-masked tokens."""
-    freq = np.zeros(target_vocab, dtype=np.int64)
-    for r in rows:
-        ids = np.asarray(r["input_ids"])[np.asarray(r["loss_mask"], dtype=bool)]
-        np.add.at(freq, ids, 1)
-    d2t, t2d = build_d2t_t2d(select_draft_vocab(freq, draft_vocab), target_vocab)
-    vocab_dir.mkdir(parents=True, exist_ok=True)
-    np.save(vocab_dir / "token_freq.npy", freq)
-    np.save(vocab_dir / "d2t.npy", d2t)
-    np.save(vocab_dir / "t2d.npy", t2d)
-
-
 def make_extract_data(
-    root: Path,
-    smollm2_path: Path,
-    n: int = 32,
-    max_len: int = 96,
-    draft_vocab: int = 2048,
-    shards: int = 2,
-) -> Path:
-    """Tokenize, extract and write `n` samples in `shards` shards plus the vocab under root."""
-    from services.extract.hf_backend import LoadSpec, extract_batch, load_target
-    from services.prep.template import load_tokenizer
+    root: Path, recipe: Recipe, n: int = 32, max_len: int = 96, shards: int = 2
+) -> RunStore:
+    """A run under `root` whose tokenize, split, extract and vocab stages hold `n` samples
+    in `shards` shards. Returns its store."""
+    from services.prep.split import held_out
+    from shared.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(str(smollm2_path))
-    rows = sharegpt_rows(tok, n, max_len)
-    model = load_target(LoadSpec(str(smollm2_path), "bfloat16", "cpu"))
+    store = RunStore.create(recipe, root=root)
+    rows = sharegpt_rows(load_tokenizer(recipe), n, max_len)
     per = (n + shards - 1) // shards
     for s in range(shards):
-        part = rows[s * per : (s + 1) * per]
-        states = []
-        for i in range(0, len(part), 8):
-            states += extract_batch(model, [r["input_ids"] for r in part[i : i + 8]], AUX_IDS)
-        write_extract_shard(root / "extract" / f"shard-{s:05d}", part, states)
-    write_vocab(root / "vocab", rows, draft_vocab, 49152)
-    return root
+        write_tokenized_shard(store, s, rows[s * per : (s + 1) * per])
+    write_plan(store, shards, per)
+    ids = [r["id"] for r in rows]
+    write_split(store, ids, held_out(ids, recipe.train.val_fraction, recipe.train.seed))
+    run_stage(store, "extract")
+    run_stage(store, "vocab")
+    return store
+
+
+def link_inputs(store: RunStore, data: RunStore, stages: tuple[str, ...] = INPUT_STAGES) -> None:
+    """Make `store`'s input stage folders symlinks to `data`'s (shared, never copied)."""
+    for name in stages:
+        store.stage_dir(name).symlink_to(data.stage_dir(name))

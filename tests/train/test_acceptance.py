@@ -1,6 +1,8 @@
 """Simulated acceptance length against an independent computation: for k=1 the accepted
 share must equal how often the draft's first token (mapped through d2t) equals the argmax of
-the real SmolLM2's own logits, computed by a plain HF forward on the sample's tokens."""
+the real SmolLM2's own logits, computed by a plain HF forward on the sample's tokens; and the
+share of anchors whose teacher argmax the draft vocabulary holds must match t2d of those
+argmaxes."""
 
 from __future__ import annotations
 
@@ -17,27 +19,22 @@ def test_k1_tau_matches_hf_teacher_argmax(reference_run, smollm2_path):
     from services.train import checkpoints
     from services.train.acceptance import simulated_tau
     from services.train.draft_model import build_draft, load_trainable_state
-    from services.train.samples import (
-        SampleReader,
-        extract_shards,
-        index_samples,
-        split_train_val,
-    )
-    from services.train.trainer import load_vocab
+    from services.train.samples import SampleReader, index_samples
 
     recipe = reference_run.recipe()
-    index = index_samples(extract_shards(reference_run))
-    _, val = split_train_val(index.refs, recipe.train.val_fraction, recipe.train.seed)
-    d2t, t2d = load_vocab(reference_run.root / "vocab")
+    val = index_samples(reference_run).val
+    assert len(val) == 4  # the held-out split: round(32 x 0.125) conversations
+    d2t, t2d = reference_run.vocab.read_maps()
     draft = build_draft(recipe, d2t, t2d)
-    folder = checkpoints.best_or_last(reference_run.root / "train" / "checkpoints")
+    folder = checkpoints.best_or_last(reference_run.train)
     load_trainable_state(draft, checkpoints.load(folder)[0])
-    read = SampleReader()
+    read = SampleReader(reference_run)
     samples = [read(r) for r in val]
     got = simulated_tau(draft, samples, k=1)
 
     target = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
-    hits = anchors = 0
+    in_draft_vocab = torch.from_numpy(t2d)
+    hits = anchors = in_vocab = 0
     with torch.no_grad():
         for ref, s in zip(val, samples, strict=True):
             # Sample positions are shifted: position p holds x_{p+1} and is trained against
@@ -55,9 +52,13 @@ def test_k1_tau_matches_hf_teacher_argmax(reference_run, smollm2_path):
             mapped = draft_ids + torch.from_numpy(d2t)[draft_ids]
             m = s.loss_mask
             hits += int((mapped[m] == teacher[m]).sum())
+            in_vocab += int(in_draft_vocab[teacher[m]].sum())
             anchors += int(m.sum())
     assert got["anchors"] == anchors
     # The simulation reads bf16 stored states; the HF path recomputes in fp32: allow a few
     # argmax flips on near-ties.
     assert abs(got["accepted"] - hits) <= max(2, 0.03 * anchors), (got, hits, anchors)
     assert got["tau"] == pytest.approx(1 + got["accepted"] / anchors)
+    assert 0 < in_vocab <= anchors
+    flips = max(2, 0.03 * anchors)
+    assert abs(got["teacher_in_draft_vocab"] * anchors - in_vocab) <= flips, (got, in_vocab)

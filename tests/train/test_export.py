@@ -23,7 +23,7 @@ def _target(smollm2_path) -> dict:
 
 
 def _lint(folder: Path, smollm2_path) -> list[str]:
-    from services.train.draft_format import lint_draft_dir
+    from shared.draft import lint_draft_dir
 
     return lint_draft_dir(
         folder, _target(smollm2_path), expect_verifier=str(smollm2_path), expect_aux_ids=AUX
@@ -31,8 +31,8 @@ def _lint(folder: Path, smollm2_path) -> list[str]:
 
 
 def test_export_writes_three_linted_folders(exported_run, smollm2_path):
-    out = exported_run.root / "export"
-    lint = json.loads((out / "lint.json").read_text())
+    out = exported_run.export.dir
+    lint = json.loads(exported_run.export.lint_path.read_text())
     assert lint == {n: {"ok": True, "problems": []} for n in ("sglang", "speculators", "vllm")}
     vllm = json.loads((out / "vllm" / "config.json").read_text())
     sglang = json.loads((out / "sglang" / "config.json").read_text())
@@ -46,30 +46,25 @@ def test_export_writes_three_linted_folders(exported_run, smollm2_path):
         assert cfg["norm_before_residual"] is False  # explicit: speculators defaults it true
         assert all(f in cfg for f in ("norm_before_fc", "fc_norm", "norm_output"))
     assert exported_run.is_done("export")
+    # export.json names the best validated epoch's checkpoint and the three folders.
+    best = json.loads(exported_run.train.best_path.read_text())["best"]
+    summary = json.loads(exported_run.export.summary_path.read_text())
+    assert summary["checkpoint"] == f"epoch-{best['epoch']:04d}"
+    assert sorted(summary["written"]) == ["sglang", "speculators", "vllm"]
+    assert summary["skipped"] == {}
 
 
 def test_exported_weights_are_the_checkpoint_and_the_target_rows(exported_run, smollm2_path):
     from safetensors.torch import load_file
 
-    out = exported_run.root / "export" / "vllm"
-    w = load_file(str(out / "model.safetensors"))
-    best = json.loads((exported_run.root / "train" / "best.json").read_text())["best"]
-    ckpt = load_file(
-        str(
-            exported_run.root
-            / "train"
-            / "checkpoints"
-            / f"epoch-{best['epoch']:04d}"
-            / "draft.safetensors"
-        )
-    )
+    w = load_file(str(exported_run.export.vllm_draft / "model.safetensors"))
+    best = json.loads(exported_run.train.best_path.read_text())["best"]
+    ckpt_dir = exported_run.train.checkpoints_dir / f"epoch-{best['epoch']:04d}"
+    ckpt = load_file(str(ckpt_dir / "draft.safetensors"))
     for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "norm.weight"):
         exported = w[name.replace("layers.0.", "midlayer.")].float()
         assert (exported - ckpt[name]).abs().max() <= 1e-2 * ckpt[name].abs().max()
-    d2t, t2d = (
-        np.load(exported_run.root / "vocab" / "d2t.npy"),
-        np.load(exported_run.root / "vocab" / "t2d.npy"),
-    )
+    d2t, t2d = np.load(exported_run.vocab.d2t_path), np.load(exported_run.vocab.t2d_path)
     assert np.array_equal(w["d2t"].numpy(), d2t) and np.array_equal(w["t2d"].numpy(), t2d)
     # lm_head = the target's (tied) embedding rows of the draft vocab, frozen.
     embed = load_file(str(Path(smollm2_path) / "model.safetensors"))["model.embed_tokens.weight"]
@@ -77,17 +72,17 @@ def test_exported_weights_are_the_checkpoint_and_the_target_rows(exported_run, s
 
 
 def test_sglang_export_refused_for_ids_not_starting_at_2(exported_run, smollm2_path, tmp_path):
-    from services.train.jobs import run_export
-    from shared.store import RunStore
+    from shared.artifacts import RunStore
+    from tests.conftest import run_stage
+    from tests.train.data import link_inputs
 
     recipe = train_recipe(smollm2_path).model_copy(update={"layers": [3, 15, 27]})
     store = RunStore.create(recipe, root=tmp_path / "data")
-    for name in ("train", "vocab"):
-        (store.root / name).symlink_to(exported_run.root / name)
-    manifest = run_export(store, recipe, 0)
+    link_inputs(store, exported_run, ("train", "vocab"))
+    (manifest,) = run_stage(store, "export")
     assert "sglang" in manifest.extra["skipped"]
     assert "PR #25454" in manifest.extra["skipped"]["sglang"]
-    assert sorted(p.name for p in (store.root / "export").iterdir() if p.is_dir()) == [
+    assert sorted(p.name for p in store.export.dir.iterdir() if p.is_dir()) == [
         "speculators",
         "vllm",
     ]
@@ -227,7 +222,7 @@ BROKEN = {
 def test_lint_catches(case, exported_run, smollm2_path, tmp_path):
     folder_name, mutate, key = BROKEN[case]
     folder = tmp_path / folder_name
-    shutil.copytree(exported_run.root / "export" / folder_name, folder)
+    shutil.copytree(exported_run.export.folder(folder_name), folder)
     assert _lint(folder, smollm2_path) == []  # the pristine copy is clean
     mutate(folder)
     problems = _lint(folder, smollm2_path)
@@ -239,10 +234,10 @@ def test_speculators_folder_reloads_in_speculators(exported_run):
     from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    folder = exported_run.root / "export" / "speculators"
+    folder = exported_run.export.folder("speculators")
     model = Eagle3DraftModel.from_pretrained(str(folder))
     assert model.config.eagle_aux_hidden_state_layer_ids == AUX
     assert model.config.norm_before_residual is False
-    vllm = load_file(str(exported_run.root / "export" / "vllm" / "model.safetensors"))
+    vllm = load_file(str(exported_run.export.vllm_draft / "model.safetensors"))
     assert torch.equal(model.fc.weight.to(torch.bfloat16), vllm["fc.weight"])
     assert torch.equal(model.d2t, vllm["d2t"])

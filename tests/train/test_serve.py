@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_trained_draft_serves_and_counters_move(exported_run, vllm_eagle3):
-    server = vllm_eagle3(exported_run.root / "export" / "vllm")
+    server = vllm_eagle3(exported_run.export.vllm_draft)
     before = scrape(server.url)
     r = httpx.post(
         f"{server.url}/v1/chat/completions",

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _records(store, kind):
-    lines = (store.root / "train" / "metrics.jsonl").read_text().splitlines()
+    lines = store.train.metrics_path.read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
@@ -49,14 +49,15 @@ def test_lr_warms_up_then_decays_to_zero(reference_run):
 def test_checkpoints_hold_only_trainable_weights(reference_run):
     from safetensors import safe_open
 
-    root = reference_run.root / "train" / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["epoch-0001", "epoch-0002"]
-    with safe_open(str(root / "epoch-0002" / "draft.safetensors"), "pt") as f:
+    art = reference_run.train
+    assert sorted(p.name for p in art.checkpoints_dir.iterdir()) == ["epoch-0001", "epoch-0002"]
+    weights = art.epoch_dir(2) / "draft.safetensors"
+    with safe_open(str(weights), "pt") as f:
         names = set(f.keys())
     assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
     # Frozen weights are reloaded from the target, never stored (issue: 89 GB of copies).
     assert not {n for n in names if n.startswith(("embed_tokens", "verifier_", "lm_head"))}
-    size = (root / "epoch-0002" / "draft.safetensors").stat().st_size
+    size = weights.stat().st_size
     assert size < 49152 * 576 * 4  # smaller than one fp32 copy of the embeddings
 
 
@@ -69,31 +70,33 @@ def test_epoch_validation_and_plot(reference_run):
         rates = r["accept_rate_per_pos"]
         assert rates == sorted(rates, reverse=True)  # a chain: later positions accept less
         assert r["tau"] == pytest.approx(1 + sum(rates))
-    best = json.loads((reference_run.root / "train" / "best.json").read_text())["best"]
+    best = json.loads(reference_run.train.best_path.read_text())["best"]
     assert best["tau"] == max(r["tau"] for r in epochs)
-    png = (reference_run.root / "train" / "metrics.png").read_bytes()
+    png = reference_run.train.plot_path.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert reference_run.is_done("train")
+    # Validation is the held-out split: round(32 x 0.125) = 4 conversations, one sample each.
+    counts = reference_run.read_manifest("train").counts
+    assert (counts["train_samples"], counts["val_samples"]) == (28, 4)
 
 
 CHILD = """
 import sys
 from pathlib import Path
-from shared.store import RunStore
-from services.train.jobs import run_train
-store = RunStore(sys.argv[1], Path(sys.argv[2]))
-run_train(store, store.recipe(), 0)
+from shared.artifacts import RunStore
+from tests.conftest import run_stage
+run_stage(RunStore(sys.argv[1], Path(sys.argv[2])), "train")
 """
 
 
 def test_sigkill_then_resume_matches_uninterrupted(reference_run, make_run, smollm2_path):
     from safetensors.torch import load_file
 
-    from services.train.jobs import run_train
+    from tests.conftest import run_stage
 
     recipe = train_recipe(smollm2_path)
     store = make_run(recipe)
-    ckpt = store.root / "train" / "checkpoints"
+    art = store.train
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, store.run_id, str(store.root.parent.parent)],
         cwd=ROOT,
@@ -101,7 +104,7 @@ def test_sigkill_then_resume_matches_uninterrupted(reference_run, make_run, smol
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    state = ckpt / "step-latest" / "state.json"
+    state = art.step_dir / "state.json"
     deadline = time.monotonic() + 600
     while not (state.is_file() and json.loads(state.read_text())["step"] >= 10):
         assert child.poll() is None, child.stderr.read().decode()[-3000:]
@@ -113,15 +116,14 @@ def test_sigkill_then_resume_matches_uninterrupted(reference_run, make_run, smol
     assert saved["step"] == 10 and saved["epoch"] == 0  # mid-epoch 1
     assert not store.is_done("train")
 
-    manifest = run_train(store, recipe, 0)
+    (manifest,) = run_stage(store, "train")
     assert manifest.extra["resumed_from"].endswith("step-latest")
     ref_steps, steps = _records(reference_run, "step"), _records(store, "step")
     assert [r["step"] for r in steps] == list(range(1, len(ref_steps) + 1))  # no duplicates
     assert steps[-1]["lr"] == pytest.approx(ref_steps[-1]["lr"], rel=1e-9)
-    ref_final = reference_run.root / "train" / "checkpoints" / "epoch-0002"
-    a = load_file(str(ref_final / "draft.safetensors"))
-    b = load_file(str(ckpt / "epoch-0002" / "draft.safetensors"))
+    a = load_file(str(reference_run.train.epoch_dir(2) / "draft.safetensors"))
+    b = load_file(str(art.epoch_dir(2) / "draft.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
-    assert json.loads((ckpt / "epoch-0002" / "state.json").read_text())["step"] == len(ref_steps)
+    assert json.loads((art.epoch_dir(2) / "state.json").read_text())["step"] == len(ref_steps)

@@ -1,7 +1,9 @@
-"""run_vocab end to end: the eagle3-conventions.md §3 examples through real tokenized shards.
+"""The vocab stage end to end: the eagle3-conventions.md §3 examples through real tokenized
+shards, counting only the training split.
 
 Expected values are written by hand from the rules (top counts, ties by lower id, padding by
-the lowest unused ids, ascending; d2t = offsets), not computed by the code under test.
+the lowest unused ids, ascending; d2t = offsets; held-out conversations are not counted), not
+computed by the code under test.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ import numpy as np
 import pytest
 import torch
 
-from services.train.vocab import run_vocab
+from shared.artifacts import RunStore
 from shared.errors import ArtifactError
 from shared.recipe import resolve_recipe
-from shared.store import RunStore
-from tests.extract.data import write_tokenized_shard
+from tests.conftest import run_stage
+from tests.extract.data import write_plan, write_split, write_tokenized_shard
 
 
 @pytest.fixture
 def vocab10_target(tmp_path, smollm2_path):
-    """A target folder with a 10-token vocab: SmolLM2's real tokenizer, config vocab 10."""
+    """A target folder with a 10-token vocab: SmolLM2's real tokenizer and chat template,
+    config vocab 10."""
     d = tmp_path / "target10"
     d.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smollm2_path / name, d / name)
     (d / "config.json").write_text(
         json.dumps({"vocab_size": 10, "num_hidden_layers": 30, "hidden_size": 576})
@@ -33,7 +36,8 @@ def vocab10_target(tmp_path, smollm2_path):
     return d
 
 
-def _store(data_dir, target, draft_vocab):
+def _store(data_dir, target, draft_vocab, shards=2, val_ids=()):
+    """A run of `shards` tokenized shards (written by each test) holding out `val_ids`."""
     recipe = resolve_recipe(
         {
             "name": "vocab-test",
@@ -42,15 +46,23 @@ def _store(data_dir, target, draft_vocab):
             "draft": {"draft_vocab_size": draft_vocab},
         }
     )
-    return RunStore.create(recipe), recipe
+    store = RunStore.create(recipe)
+    write_plan(store, shards)
+    write_split(store, [], list(val_ids))
+    return store
 
 
 def _row(ids, mask, rid):
-    return {"input_ids": ids, "loss_mask": mask, "seq_len": len(ids), "id": rid, "source": "t"}
+    return {"input_ids": ids, "loss_mask": mask, "id": rid, "source": "t"}
 
 
-def test_conventions_example_through_run_vocab(data_dir, vocab10_target):
-    store, recipe = _store(data_dir, vocab10_target, 4)
+def _vocab(store):
+    (manifest,) = run_stage(store, "vocab")
+    return manifest
+
+
+def test_conventions_example_through_the_vocab_stage(data_dir, vocab10_target):
+    store = _store(data_dir, vocab10_target, 4)
     # Masked counts: 7 x5, 3 x4, then a tie at 3 between 0, 2 and 5 (lower ids win: 0, 2).
     # Id 9 appears 100 times but never under the mask, so it is not counted.
     write_tokenized_shard(
@@ -68,8 +80,8 @@ def test_conventions_example_through_run_vocab(data_dir, vocab10_target):
             _row([9] * 50 + [2, 2, 2, 5, 5, 5], [0] * 50 + [1] * 6, "c"),
         ],
     )
-    m = run_vocab(store, recipe, 0)
-    out = store.root / "vocab"
+    m = _vocab(store)
+    out = store.vocab.dir
     d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
     assert d2t.dtype == np.int64 and d2t.tolist() == [0, 1, 1, 4]
     assert t2d.dtype == bool and t2d.astype(int).tolist() == [1, 0, 1, 1, 0, 0, 0, 1, 0, 0]
@@ -85,20 +97,40 @@ def test_conventions_example_through_run_vocab(data_dir, vocab10_target):
     assert m.counts["assistant_tokens"] == 18 and store.is_done("vocab", 0)
 
 
+def test_held_out_conversations_are_not_counted(data_dir, vocab10_target):
+    # Conversation "b" gives two samples (two turns); holding it out removes both.
+    store = _store(data_dir, vocab10_target, 2, shards=1, val_ids=["b"])
+    rows = [
+        _row([1, 1, 4], [1, 1, 1], "a"),
+        dict(_row([3, 3, 3, 3, 2], [1, 1, 1, 1, 1], "b#0"), conversation_id="b"),
+        dict(_row([3, 3, 3, 2], [1, 1, 1, 1], "b#1"), conversation_id="b"),
+        _row([4, 8, 8], [0, 1, 1], "c"),
+    ]
+    write_tokenized_shard(store, 0, rows)
+    m = _vocab(store)
+    out = store.vocab.dir
+    # Counted: a -> 1 x2, 4 x1; c -> 8 x2 (the masked 4 is not). Top 2: 1 and 8 (2 each).
+    assert np.load(out / "token_freq.npy").tolist() == [0, 2, 0, 0, 1, 0, 0, 0, 2, 0]
+    assert np.nonzero(np.load(out / "t2d.npy"))[0].tolist() == [1, 8]
+    assert m.counts["assistant_tokens"] == 5
+
+
 def test_too_few_seen_pads_with_lowest_unused_ids(data_dir, vocab10_target):
-    store, recipe = _store(data_dir, vocab10_target, 4)
+    store = _store(data_dir, vocab10_target, 4, shards=1)
     write_tokenized_shard(store, 0, [_row([6, 6, 1], [1, 1, 1], "a")])
-    run_vocab(store, recipe, 0)
+    _vocab(store)
     # Seen: 6, 1. Padded with the lowest unused ids 0, 2 -> [0, 1, 2, 6].
-    d2t = np.load(store.root / "vocab" / "d2t.npy")
+    out = store.vocab.dir
+    d2t = np.load(out / "d2t.npy")
     assert d2t.tolist() == [0, 0, 0, 3]
-    assert np.nonzero(np.load(store.root / "vocab" / "t2d.npy"))[0].tolist() == [0, 1, 2, 6]
-    cov = json.loads((store.root / "vocab" / "coverage.json").read_text())
+    assert np.nonzero(np.load(out / "t2d.npy"))[0].tolist() == [0, 1, 2, 6]
+    cov = json.loads((out / "coverage.json").read_text())
     assert cov["coverage"] == 1.0 and cov["top_left_out"] == []
 
 
 def test_id_outside_target_vocab_names_shard_row_and_field(data_dir, vocab10_target):
-    store, recipe = _store(data_dir, vocab10_target, 4)
+    store = _store(data_dir, vocab10_target, 4, shards=1)
     write_tokenized_shard(store, 0, [_row([1, 2], [1, 1], "a"), _row([1, 12], [1, 1], "b")])
     with pytest.raises(ArtifactError, match=r"shard-00000 row 1 field input_ids: id 12"):
-        run_vocab(store, recipe, 0)
+        _vocab(store)
+    assert not store.is_done("vocab")

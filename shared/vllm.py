@@ -1,0 +1,271 @@
+"""The vLLM server contract: how Eyrie's servers are started, reached and checked.
+
+Every vLLM server Eyrie runs is one of three modes:
+- `baseline`: the target alone (regen, bench shard 0);
+- `eagle3`: the target with an EAGLE-3 draft through `--speculative-config`, `"method":
+  "eagle3"` always explicit (bench shard 1). `"eagle"` there starts fine and accepts ~nothing;
+- `extract`: vLLM's `extract_hidden_states` method with Eyrie's KV connector, which writes
+  the aux + final pre-norm hidden states of each prompt to files.
+
+This module is the one place that knows the flags (`vllm_args`), where each mode's server
+answers (`base_url`), its model name and API key, and what must hold before an eagle3
+server starts (`preflight_eagle3`). The conductor's process and docker backends, the compose
+`vllm` service's entrypoint (images/vllm-serve.py) and every client (regen, extract, bench)
+use it, so the servers and their clients cannot drift apart.
+
+Invariant: an eagle3 server is never started before `preflight_eagle3` passed. This module
+imports no torch or vLLM (the CLI imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from shared.conventions import resolve_aux_layer_ids
+from shared.draft import lint_draft_dir
+from shared.errors import ConfigError, ContractMismatchError
+from shared.recipe import Recipe
+from shared.target import target_config
+
+MODES = ("baseline", "eagle3", "extract")
+
+#: Eyrie's hidden-states KV connector, which vLLM loads by module path (a documented plug-in
+#: point: `kv_connector_module_path`); its code is the extract service's.
+EXTRACT_CONNECTOR_MODULE = "services.extract.connector"
+EXTRACT_CONNECTOR_CLASS = "EyrieHiddenStatesConnector"
+
+
+def check_mode(mode: str) -> str:
+    """Return `mode` if known. Raises ConfigError listing the known modes."""
+    if mode not in MODES:
+        raise ConfigError(f"serve mode {mode!r} unknown; known: {', '.join(MODES)}")
+    return mode
+
+
+def served_model_name(recipe: Recipe) -> str:
+    """The model name clients send: `serve.served_model_name`, default the recipe name."""
+    return recipe.serve.served_model_name or recipe.name
+
+
+def mode_port(recipe: Recipe, mode: str) -> int:
+    """TCP port of `mode`'s server: `serve.eagle3_port` for eagle3, else `serve.port`.
+
+    baseline and extract share `serve.port`: they never run in the same GPU phase.
+    """
+    return recipe.serve.eagle3_port if check_mode(mode) == "eagle3" else recipe.serve.port
+
+
+#: Compose-network aliases the docker backend gives each mode's container: clients on that
+#: network (workers, conductor) reach the server by these names. `vllm` is the compose
+#: service's own name, so a hand-started `--profile serve` server answers at the same URL.
+DOCKER_HOSTS = {"baseline": "vllm", "extract": "vllm", "eagle3": "vllm-eagle3"}
+
+
+def base_url(recipe: Recipe, mode: str) -> str:
+    """Where clients reach `mode`'s server, e.g. `http://127.0.0.1:8000` (no `/v1`).
+
+    process backend: `serve.host` (a wildcard bind is reached through loopback); docker
+    backend: the mode's compose-network alias (`DOCKER_HOSTS`).
+    """
+    host = recipe.serve.host
+    if recipe.serve.backend == "docker":
+        host = DOCKER_HOSTS[check_mode(mode)]
+    elif host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{mode_port(recipe, mode)}"
+
+
+def api_key() -> str | None:
+    """`$VLLM_API_KEY`, the key every Eyrie vLLM server requires when it is set."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
+def auth_headers() -> dict[str, str]:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set, else {}.
+
+    vLLM reads the same variable (vllm/envs.py) and then refuses /v1 requests without it;
+    the compose deployment sets it for the server and every Eyrie container.
+    """
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def target_num_layers(recipe: Recipe) -> int:
+    """Decoder layer count N of the target: the recipe's, else its config's.
+
+    Raises:
+        ConfigError: the target's config cannot be read (`shared.target.target_config`).
+    """
+    if recipe.target.num_hidden_layers:
+        return recipe.target.num_hidden_layers
+    return int(target_config(recipe)["num_hidden_layers"])
+
+
+def speculative_config(
+    recipe: Recipe, mode: str, draft_dir: Path | str | None = None
+) -> dict[str, Any] | None:
+    """The `--speculative-config` JSON of `mode` (None for baseline).
+
+    eagle3: `{"method": "eagle3", "model": DIR, "num_speculative_tokens": k}` with k =
+    `bench.num_speculative_tokens`. extract: vLLM's `extract_hidden_states` method with aux ids
+    `[a, b, c, N]`: the 3 draft aux ids, then N = the final pre-norm state
+    (speculators' data generation does the same).
+
+    Raises:
+        ConfigError: eagle3 without a draft folder.
+    """
+    if check_mode(mode) == "baseline":
+        return None
+    if mode == "eagle3":
+        if draft_dir is None:
+            raise ConfigError("serve --mode eagle3 needs a draft folder (--draft DIR)")
+        return {
+            "method": "eagle3",
+            "model": str(Path(draft_dir).resolve()),
+            "num_speculative_tokens": recipe.bench.num_speculative_tokens,
+        }
+    n = target_num_layers(recipe)
+    ids = [*resolve_aux_layer_ids(recipe.layers, n), n]
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+    }
+
+
+def kv_transfer_config(hs_dir: Path | str) -> dict[str, Any]:
+    """`--kv-transfer-config` of extract mode: Eyrie's connector writing under `hs_dir`."""
+    return {
+        "kv_connector": EXTRACT_CONNECTOR_CLASS,
+        "kv_connector_module_path": EXTRACT_CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(hs_dir)},
+    }
+
+
+def vllm_args(
+    recipe: Recipe,
+    mode: str,
+    draft_dir: Path | str | None = None,
+    port: int | None = None,
+    hs_dir: Path | str | None = None,
+    host: str | None = None,
+) -> list[str]:
+    """The vLLM api_server arguments for `mode` (without the program name).
+
+    Args:
+        recipe: the resolved recipe (target, serve.*, bench.num_speculative_tokens, layers).
+        mode: `baseline`, `eagle3` or `extract`.
+        draft_dir: the EAGLE-3 draft folder (eagle3 only).
+        port: listening port; default `mode_port(recipe, mode)`.
+        hs_dir: where the extract connector writes hidden states (extract only); default
+            `$TMPDIR/eyrie-hidden-states`.
+        host: bind address; default `serve.host` (the docker backend binds 0.0.0.0).
+
+    Raises:
+        ConfigError: unknown mode, eagle3 without a draft.
+    """
+    s = recipe.serve
+    # fmt: off
+    args = [
+        "--model", recipe.target.path,
+        "--served-model-name", served_model_name(recipe),
+        "--dtype", recipe.target.dtype,
+        "--tensor-parallel-size", str(s.tensor_parallel_size),
+        "--max-model-len", str(s.max_model_len),
+        "--host", host or s.host,
+        "--port", str(port or mode_port(recipe, mode)),
+        "--gpu-memory-utilization", str(s.gpu_memory_utilization),
+        # Sampling defaults come from the request only, never from the model's
+        # generation_config.json (which could add e.g. a repetition penalty unseen by regen).
+        "--generation-config", "vllm",
+    ]
+    # fmt: on
+    if recipe.target.revision:
+        args += ["--revision", recipe.target.revision]
+    if recipe.target.trust_remote_code:
+        args.append("--trust-remote-code")
+    # Extract mode must run every prompt token through the model: a prefix-cache hit would
+    # skip the forward that produces those tokens' hidden states.
+    caching = s.enable_prefix_caching and mode != "extract"
+    args.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
+    if s.enforce_eager:
+        args.append("--enforce-eager")
+    spec = speculative_config(recipe, mode, draft_dir)
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    if mode == "extract":
+        hs = hs_dir or Path(tempfile.gettempdir()) / "eyrie-hidden-states"
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(hs), sort_keys=True)]
+    return args + list(s.extra_args)
+
+
+# -- preflight of an eagle3 start -----------------------------------------------------------
+
+
+def recorded_verifier(draft_dir: Path) -> str | None:
+    """The target a draft folder says it was trained for, or None.
+
+    Read from llama-style `eyrie.verifier` or speculators
+    `speculators_config.verifier.name_or_path`.
+    """
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    if "speculators_config" in cfg:
+        return (cfg["speculators_config"].get("verifier") or {}).get("name_or_path")
+    return (cfg.get("eyrie") or {}).get("verifier")
+
+
+def _same_target(a: str, b: str) -> bool:
+    """Two target references match: equal strings, or the same existing folder."""
+    if a == b:
+        return True
+    pa, pb = Path(os.path.expanduser(a)), Path(os.path.expanduser(b))
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def verifier_problems(draft_dir: Path, target: str) -> list[str]:
+    """[] when the draft records `target` as its verifier, else one problem line."""
+    recorded = recorded_verifier(draft_dir) if (draft_dir / "config.json").is_file() else None
+    if not recorded:
+        return [f"verifier: the draft records no verifier; cannot confirm it fits {target!r}"]
+    if not _same_target(recorded, target):
+        return [f"verifier: draft was trained for {recorded!r}, serving target is {target!r}"]
+    return []
+
+
+def preflight_problems(recipe: Recipe, draft_dir: Path | str, spec: dict[str, Any]) -> list[str]:
+    """Every reason not to start this eagle3 server; [] when it may start.
+
+    Args:
+        recipe: the resolved recipe (target path, expected sizes).
+        draft_dir: the draft folder named in the speculative config.
+        spec: the `--speculative-config` dict that would be passed.
+    """
+    draft_dir = Path(draft_dir)
+    problems = []
+    if spec.get("method") != "eagle3":
+        problems.append(
+            f"speculative-config method: expected 'eagle3', got {spec.get('method')!r} "
+            "('eagle' serves an EAGLE-3 draft with the wrong feature width: τ ≈ 1.0, no error)"
+        )
+    problems += lint_draft_dir(draft_dir, target_config(recipe))
+    return problems + verifier_problems(draft_dir, recipe.target.path)
+
+
+def preflight_eagle3(recipe: Recipe, draft_dir: Path | str, spec: dict[str, Any]) -> None:
+    """Refuse an eagle3 start unless `preflight_problems` is empty.
+
+    Raises:
+        ContractMismatchError: listing every problem and the draft folder.
+    """
+    problems = preflight_problems(recipe, draft_dir, spec)
+    if problems:
+        raise ContractMismatchError(
+            f"refusing to start an eagle3 server with draft {draft_dir}:\n  - "
+            + "\n  - ".join(problems)
+            + "\nFix the draft export (eyrie stage export) or the recipe's target."
+        )

@@ -1,0 +1,160 @@
+"""The conductor's servers without starting vLLM: the GPU-free check, readiness failures,
+`eyrie serve stop`, which servers each stage's shards need, and `serving` refusing a bad
+eagle3 draft before it starts anything.
+
+The nvidia-smi cases run a real executable named nvidia-smi on PATH that prints what the
+real tool prints for `--query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.conductor.cli import main
+from services.conductor.gpu import busy_gpus, check_gpus_free, parse_memory_used
+from services.conductor.processes import free_port, is_running
+from services.conductor.readiness import wait_ready
+from services.conductor.servers import ServerHandle, serving
+from shared.artifacts import RunStore
+from shared.draft import random_llama_draft
+from shared.errors import ContractMismatchError, ServiceUnavailableError
+from shared.recipe import resolve_recipe
+from shared.stage import get_stage
+
+IDLE = "0, 4, 81559\n1, 4, 81559\n"
+BUSY = "0, 4, 81559\n1, 61234, 81559\n"
+
+
+def _fake_smi(tmp_path, monkeypatch, output: str) -> None:
+    exe = tmp_path / "bin" / "nvidia-smi"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")
+
+
+def test_parse_and_busy():
+    usage = parse_memory_used(BUSY)
+    assert usage == {0: (4, 81559), 1: (61234, 81559)}
+    assert busy_gpus(usage) == [1]
+
+
+def test_idle_gpus_pass(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch, IDLE)
+    check_gpus_free()
+
+
+def test_busy_gpu_refused(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch, BUSY)
+    with pytest.raises(ServiceUnavailableError, match=r"GPU 1: 61234/81559 MiB"):
+        check_gpus_free()
+
+
+def test_no_nvidia_smi_skips_with_note(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level("INFO"):
+        check_gpus_free()
+    assert "GPU-free check skipped" in caplog.text
+
+
+def test_readiness_fails_fast_when_the_server_died(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("ValueError: bad flag --speculative-config\n")
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="exited during startup(.|\n)*bad flag"):
+        wait_ready(f"http://127.0.0.1:{free_port()}", 60, alive=lambda: False, log_path=log)
+    assert time.monotonic() - t0 < 5
+
+
+def test_readiness_times_out(tmp_path):
+    with pytest.raises(ServiceUnavailableError, match="not ready after 1s"):
+        wait_ready(f"http://127.0.0.1:{free_port()}", 1, poll_s=0.2)
+
+
+def test_serve_stop_never_signals_a_non_vllm_pid(tmp_path, monkeypatch, capsys):
+    """A stale state file whose pid now belongs to another program: stop leaves it alone."""
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path))
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        state = tmp_path / "serve" / "baseline-8000.json"
+        state.parent.mkdir()
+        h = ServerHandle("baseline", "http://127.0.0.1:8000", "m", "process", pid=other.pid)
+        state.write_text(json.dumps(h.__dict__))
+        assert main(["serve", "stop"]) == 0
+        assert (
+            "removed the stale record of baseline server at http://127.0.0.1:8000"
+            in capsys.readouterr().out
+        )
+        assert is_running(other.pid)
+        assert not state.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_serve_stop_with_nothing_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path))
+    assert main(["serve", "stop"]) == 0
+    assert "no Eyrie vLLM server" in capsys.readouterr().out
+
+
+@pytest.fixture
+def recipe(smollm2_path):
+    return resolve_recipe(
+        {
+            "name": "servers",
+            "target": {"path": str(smollm2_path)},
+            "datasets": [{"path": "x.jsonl"}],
+            "layers": [2, 15, 27],
+            "serve": {"port": free_port(), "eagle3_port": free_port()},
+        }
+    )
+
+
+def test_servers_each_stage_needs(recipe):
+    def servers(stage, r, shards):
+        return get_stage(stage).servers(r, shards)
+
+    assert servers("regen", recipe, [0, 1, 2]) == ["baseline"]
+    assert servers("bench", recipe, [0, 1]) == ["baseline", "eagle3"]
+    assert servers("bench", recipe, [1]) == ["eagle3"]
+    assert servers("extract", recipe, [0]) == []  # extract.backend hf (the default)
+    assert servers("train", recipe, [0]) == []
+    assert servers("tokenize", recipe, [0]) == []
+    off = resolve_recipe(
+        {
+            **recipe.model_dump(mode="json"),
+            "regen": {"enabled": False},
+            "extract": {"backend": "vllm"},
+            "bench": {"side_by_side": False},
+        }
+    )
+    assert not get_stage("regen").enabled(off)
+    assert servers("extract", off, [0, 1]) == ["extract"]
+    # Not side by side: the two bench shards' servers run one after the other.
+    assert get_stage("bench").shard_groups(off, [0, 1]) == [[0], [1]]
+    assert get_stage("bench").shard_groups(recipe, [0, 1]) == [[0, 1]]
+
+
+def test_serving_refuses_before_starting_anything(recipe, smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path / "data"))
+    store = RunStore.create(recipe, root=tmp_path / "data")
+    out = store.export.vllm_draft
+    random_llama_draft(smollm2_path, out, [2, 15, 27], 64)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["vocab_size"] = 32000
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ContractMismatchError, match="refusing to start an eagle3 server"):
+        with serving(recipe, store, ["baseline", "eagle3"]):
+            pytest.fail("the body must not run")
+    # Refused before the baseline too: no server log, no state file.
+    assert not store.serve.log_path("baseline").exists()
+    assert not store.serve.log_path("eagle3").exists()
+    assert not list((tmp_path / "data").glob("serve/*.json"))

