@@ -1,12 +1,44 @@
-# syntax=docker/dockerfile:1
-# Eyrie's CPU image: prep workers (queues prep, regen, eval) and the conductor. Slim Python,
-# no CUDA: torch comes from PyTorch's CPU index. Built by `docker compose build` from the
-# repository root (context `.`; .dockerignore keeps .venv, data and caches out).
-FROM python:3.11.11-slim-bookworm
+# Eyrie's CPU image: prep workers (queues prep, regen, eval) and the conductor. Python 3.11,
+# no CUDA: torch comes from PyTorch's CPU index (or a CPU wheel in images/local/). Built by
+# `docker compose build` from the repository root (context `.`; .dockerignore keeps .venv,
+# data and caches out), or by scripts/docker-build where no registry is reachable.
+#
+# Build args: BASE_IMAGE (a Debian bookworm image with python3 and python3-venv; default the
+# official python image, scripts/docker-engine makes eyrie-base:bookworm without a
+# registry), TORCH_INDEX_URL. images/local/README.md: extra wheels and CA certificates.
+ARG BASE_IMAGE=python:3.11.11-slim-bookworm
 
+# --- dependencies, in a venv (Debian's python3 refuses system-wide pip installs) ----------
+FROM ${BASE_IMAGE} AS deps
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_CERT=/opt/eyrie/ca-bundle.crt \
+    REQUESTS_CA_BUNDLE=/opt/eyrie/ca-bundle.crt \
+    SSL_CERT_FILE=/opt/eyrie/ca-bundle.crt \
+    PATH=/opt/venv/bin:$PATH
+COPY images/local/ /opt/eyrie/local/
+RUN find /etc/ssl/certs/ca-certificates.crt /opt/eyrie/local -name '*.crt' -exec cat {} + \
+      > /opt/eyrie/ca-bundle.crt \
+ && python3 -m venv /opt/venv
+# Versions: images/constraints.txt (exact pins).
+COPY images/constraints.txt images/requirements.py /opt/eyrie/
+COPY pyproject.toml /tmp/eyrie/pyproject.toml
+RUN pip install --no-cache-dir --find-links /opt/eyrie/local --index-url "$TORCH_INDEX_URL" \
+      -c /opt/eyrie/constraints.txt torch==2.13.0 \
+ && python /opt/eyrie/requirements.py pyproject /tmp/eyrie/pyproject.toml > /tmp/eyrie/req.txt \
+ && pip install --no-cache-dir -c /opt/eyrie/constraints.txt -r /tmp/eyrie/req.txt \
+ && python -c "import torch; assert not torch.version.cuda, torch.__version__; print(torch.__version__)"
+
+# --- the image --------------------------------------------------------------------------
+FROM ${BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/opt/eyrie/ca-bundle.crt \
+    REQUESTS_CA_BUNDLE=/opt/eyrie/ca-bundle.crt \
+    SSL_CERT_FILE=/opt/eyrie/ca-bundle.crt \
+    PATH=/opt/venv/bin:$PATH \
     EYRIE_DATA=/data \
     EYRIE_CACHE=/cache \
     HF_HOME=/hf-cache
@@ -17,14 +49,8 @@ RUN groupadd --gid 10001 eyrie \
  && mkdir -p /app /data /cache /hf-cache /opt/eyrie \
  && chown eyrie:eyrie /app /data /cache /hf-cache
 WORKDIR /app
-
-# Dependencies first, in their own layer. Versions: images/constraints.txt (exact pins).
-COPY images/constraints.txt images/requirements.py /opt/eyrie/
-COPY pyproject.toml /tmp/eyrie/pyproject.toml
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && python /opt/eyrie/requirements.py pyproject /tmp/eyrie/pyproject.toml > /tmp/eyrie/req.txt \
- && pip install --no-cache-dir -c /opt/eyrie/constraints.txt -r /tmp/eyrie/req.txt \
- && rm -rf /tmp/eyrie
+COPY --from=deps /opt/eyrie/ca-bundle.crt /opt/eyrie/constraints.txt /opt/eyrie/
+COPY --from=deps /opt/venv /opt/venv
 
 COPY pyproject.toml README.md ./
 COPY shared ./shared

