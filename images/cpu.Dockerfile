@@ -1,4 +1,4 @@
-# Eyrie's CPU image: prep workers (queues prep, regen, eval) and the conductor. Python 3.11,
+# Eyrie's CPU image: prep workers (queues prep, regen, bench) and the conductor. Python 3.11,
 # no CUDA: torch comes from PyTorch's CPU index (or a CPU wheel in images/local/). Built by
 # `docker compose build` from the repository root (context `.`; .dockerignore keeps .venv,
 # data and caches out), or by scripts/docker-build where no registry is reachable.

