@@ -55,9 +55,11 @@ def test_vllm_states_match_hf(extract_server, smollm2_path, smollm2_model, share
         (hf,) = extract_batch(smollm2_model, [ids], [2, 15, 27])
         (ref,) = extract_batch(fp32, [ids], [2, 15, 27])
         assert g.states.dtype == torch.bfloat16 and g.states.shape == hf.shape
-        diff, own = _rel(g.states, hf), _rel(hf, ref)
+        # Both bf16 runs are measured against the fp32 truth: vLLM's error must be of the
+        # size of transformers' own bf16 error (a wrong layer gives 0.3-1, not ~0.01).
+        err, own = _rel(g.states, ref), _rel(hf, ref)
         for slot in range(4):  # 3 aux layers, then id 30 = the final pre-norm state
-            assert float(diff[:, slot].max()) <= 2 * float(own[:, slot].max()), slot
+            assert float(err[:, slot].max()) <= 2 * float(own[:, slot].max()), slot
     assert list(hs_dir.glob("*.safetensors")) == []  # the client deletes what it read
 
 
