@@ -42,7 +42,7 @@ Layout (N = shard number, `shard-NNNNN`, 5 digits; each stage folder also holds
     train/     checkpoints/epoch-EEEE/ and checkpoints/step-latest/ (services.train.
                checkpoints), metrics.jsonl, metrics.png, best.json (BestCheckpoint)
     export/    vllm/ (llama-style draft, shared.draft), speculators/, sglang/ (aux ids
-               written k-1), lint.json ({folder: {ok, problems}}), export.json
+               written i-1), lint.json ({folder: {ok, problems}}), export.json
                (ExportSummary)
     bench/     shard-N.json: shard 0 the baseline server's sweep, shard 1 the eagle3
                server's (services.bench.sweep); turn1-answers.json; .measure.lock

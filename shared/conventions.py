@@ -20,12 +20,12 @@ from shared.errors import ConfigError, ContractMismatchError
 
 # -- 1. Aux layer ids ----------------------------------------------------------------------
 
-#: Eyrie's single meaning of an aux layer id: id k is the residual stream *entering* decoder
-#: layer k, i.e. HF `output_hidden_states[k]` (index 0 = embedding output). vLLM agrees.
+#: Eyrie's single meaning of an aux layer id: id i is the residual stream *entering* decoder
+#: layer i, i.e. HF `output_hidden_states[i]` (index 0 = embedding output). vLLM agrees.
 AUX_ID_CONVENTION = "input_of_layer_k (== hf output_hidden_states[k]; vLLM)"
 
-#: SGLang reads a configured id as the *output* of layer i; Eyrie writes k-1 for it.
-SGLANG_ID_CONVENTION = "output_of_layer_i (sglang; eyrie id k written as k-1)"
+#: SGLang reads a configured id as the *output* of layer i; Eyrie writes i-1 for it.
+SGLANG_ID_CONVENTION = "output_of_layer_i (sglang; eyrie id i written as i-1)"
 
 #: Number of aux layers an EAGLE-3 draft consumes. fc input width is this times H_target.
 NUM_AUX_LAYERS = 3
@@ -66,7 +66,7 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     if bad:
         raise ConfigError(
             f"layers: ids {bad} out of range for a {num_layers}-layer target "
-            f"(valid: 1..{num_layers - 1}; id k = residual entering layer k)"
+            f"(valid: 1..{num_layers - 1}; id i = residual entering layer i)"
         )
     return ids
 
@@ -81,10 +81,10 @@ def resolve_aux_layer_ids(layers: Sequence[int] | str, num_layers: int) -> list[
 
 
 def sglang_layer_ids(ids: Sequence[int]) -> list[int]:
-    """Eyrie aux ids → the ids written into an SGLang draft config (`k-1` each).
+    """Eyrie aux ids → the ids written into an SGLang draft config (`i-1` each).
 
     Older SGLang always adds 1 to configured ids; newer SGLang (after PR #25454) adds 1 only
-    when the first id is 1. Writing k-1 is right for both only when the first Eyrie id is 2,
+    when the first id is 1. Writing i-1 is right for both only when the first Eyrie id is 2,
     e.g. [2, 15, 27] → [1, 14, 26]. Any other ids are refused.
 
     Raises:
@@ -97,7 +97,7 @@ def sglang_layer_ids(ids: Sequence[int]) -> list[int]:
             "version (sglang PR #25454) and only ids starting with 2 map the same way in "
             "both. Use layers [2, ..., ...] or export for vLLM only."
         )
-    return [k - 1 for k in ids]
+    return [i - 1 for i in ids]
 
 
 # -- 2. Final hidden state -----------------------------------------------------------------

@@ -50,7 +50,7 @@ class DraftSpec:
         target_vocab_size: V, the target's vocab (config `vocab_size`).
         target_hidden_size: T, the target's hidden size.
         target_num_layers: N, the target's decoder layers (for aux id validation).
-        aux_layer_ids: 3 Eyrie aux ids (residual entering layer k).
+        aux_layer_ids: 3 Eyrie aux ids (residual entering layer i).
         draft_vocab_size: rows of lm_head.
         hidden_size: H, the draft's hidden size.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: the decoder
@@ -359,7 +359,7 @@ def _check_weights(
 def _check_aux_ids(cfg: dict[str, Any], v: dict[str, Any], expect: list[int]) -> list[str]:
     """The config's aux ids against the ids the draft was trained on (§1).
 
-    A folder whose `eyrie.aux_id_convention` is SGLang's must hold `k-1` for each trained id
+    A folder whose `eyrie.aux_id_convention` is SGLang's must hold `i-1` for each trained id
     (and record the trained ids); any other folder must hold the trained ids themselves.
     """
     eyrie = cfg.get("eyrie") or {}
@@ -397,7 +397,7 @@ def lint_draft_dir(
             num_hidden_layers are read).
         expect_verifier: if given, the draft's recorded verifier must equal it.
         expect_aux_ids: if given, the Eyrie aux ids the draft was trained on; the config must
-            hold them, or `k-1` each in a folder marked with SGLang's convention (§1).
+            hold them, or `i-1` each in a folder marked with SGLang's convention (§1).
 
     Returns:
         Human-readable problems, each naming the key or weight; empty when the draft is sound.

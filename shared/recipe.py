@@ -191,7 +191,9 @@ class TrainConfig(Section):
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps spent warming up.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    ttt_steps: int = Field(3, gt=0, description="Training-time-test unroll depth k.")
+    ttt_steps: int = Field(
+        3, gt=0, description="Training-time test: draft steps unrolled on its own outputs."
+    )
     step_loss_decay: float = Field(
         1.0, gt=0, le=1, description="Loss weight of TTT step j is decay**j."
     )
@@ -290,7 +292,7 @@ class Recipe(Section):
     regen: RegenConfig = Field(default_factory=RegenConfig, description="Regeneration settings.")
     layers: list[int] | Literal["default"] = Field(
         "default",
-        description="Aux hidden-state layer ids (residual entering layer k), or 'default' = "
+        description="Aux hidden-state layer ids (residual entering layer i), or 'default' = "
         "[2, N//2, N-3] (shared.conventions.default_aux_layer_ids).",
     )
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description="Extraction.")

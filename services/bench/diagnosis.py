@@ -27,7 +27,7 @@ LOW_TAU_CAUSES = [
     'mode: the server must run --speculative-config with method "eagle3"; "eagle" uses '
     "one feature layer and accepts ~nothing, with no error",
     "layer ids: eagle_aux_hidden_state_layer_ids in the draft config must equal the ids the "
-    "draft was trained on (id k = residual entering layer k)",
+    "draft was trained on (id i = residual entering layer i)",
     "d2t: model.safetensors must hold d2t as offsets (target = draft + d2t[draft]); without "
     "it vLLM treats draft id i as target id i",
     "norm flags: norm_before_residual / norm_before_fc / fc_norm / norm_output written in the "

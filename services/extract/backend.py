@@ -4,7 +4,7 @@ An `Extractor` maps a batch of token-id lists to per-sample hidden states `[seq_
 plus the token ids the backend actually ran (checked against the tokenized shard by the
 writer). The backends live in `hf_backend` and `vllm_backend`; the stage picks one.
 
-Invariants: every backend uses Eyrie's aux-id convention (id k = residual entering layer k,
+Invariants: every backend uses Eyrie's aux-id convention (id i = residual entering layer i,
 `shared.conventions.AUX_ID_CONVENTION`) and stores the final state before the final norm
 (`FINAL_STATE_CONVENTION`); `metadata()` records both, the layer ids and the target revision.
 """

@@ -4,7 +4,7 @@ Responsibility: load a target once per process and turn a batch of token-id list
 per-sample hidden states `[seq_len, 3+1, H]`.
 
 Invariants (`shared.conventions` §1–2):
-- aux id k is the residual stream *entering* decoder layer k, captured by a forward pre-hook
+- aux id i is the residual stream *entering* decoder layer i, captured by a forward pre-hook
   on `layers[k]`; this equals HF `output_hidden_states[k]` (index 0 = embedding output);
 - the 4th state is the input of the model's final norm (pre-norm), not HF's last
   `output_hidden_states` entry, which has the norm applied;
@@ -183,7 +183,7 @@ def capture_states(
         model: a causal LM from `load_target`.
         input_ids: int64 `[batch, max_len]`, right-padded.
         attention_mask: int64 `[batch, max_len]`, 1 on real tokens.
-        aux_ids: the 3 aux ids (residual entering layer k), validated by the caller.
+        aux_ids: the 3 aux ids (residual entering layer i), validated by the caller.
 
     Returns:
         `[batch, max_len, len(aux_ids)+1, H]` in the model's dtype, on the device of the

@@ -6,7 +6,7 @@ ids `[a, b, c, N]` and Eyrie's KV connector (`services.extract.connector`). For 
 this client sends `/v1/completions` with the prompt as token ids and `max_tokens: 1`, reads
 the safetensors file named by `kv_transfer_params.hidden_states_path`, and deletes it.
 
-Invariants: the 4 slots are the 3 aux ids (residual entering layer k, vLLM's reading) and id
+Invariants: the 4 slots are the 3 aux ids (residual entering layer i, vLLM's reading) and id
 N, which vLLM captures before the final norm, i.e. the same layout as the hf backend. The
 token ids the server ran come back with the states and are checked by the writer.
 """

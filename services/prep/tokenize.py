@@ -74,16 +74,16 @@ def from_conversations(
 
 
 def _regen_prompt_mask(
-    tok: Any, rec: RegenRecord, k: int, prompt: list[int], kwargs: dict, counts: Counter
+    tok: Any, rec: RegenRecord, turn: int, prompt: list[int], kwargs: dict, counts: Counter
 ) -> list[int]:
     msgs = rec.messages
     asst = [i for i, m in enumerate(msgs) if m.role == "assistant"]
-    if k >= len(asst):
+    if turn >= len(asst):
         raise RowRejected(
-            "regen_turns_mismatch", "turns", f"{k + 1} turns but {len(asst)} assistant messages"
+            "regen_turns_mismatch", "turns", f"{turn + 1} turns but {len(asst)} assistant messages"
         )
     try:
-        head = [m.chat_dict() for m in msgs[: asst[k]]]
+        head = [m.chat_dict() for m in msgs[: asst[turn]]]
         text, spans = mask_spans(tok, head, kwargs, rec.tools, True)
         ((ids, mask),) = tokenize_spans(tok, [text], [spans])
     except RowRejected:

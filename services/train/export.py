@@ -8,7 +8,7 @@ Layout written (`shared/artifacts.py`, export/):
                   `speculators_config.verifier` names the target; config.json then gets
                   `target_hidden_size` and every norm flag written explicitly
                   (`norm_before_residual` defaults to true in this format's readers)
-    sglang/       llama-style weights with aux ids written as k-1 (SGLang reads an id as the
+    sglang/       llama-style weights with aux ids written as i-1 (SGLang reads an id as the
                   output of layer i; `shared.conventions.sglang_layer_ids`, which refuses ids
                   whose first id is not 2); `config.json["eyrie"]` records the convention
                   written and the original Eyrie ids

@@ -1,13 +1,13 @@
 """Training metrics: `train/metrics.jsonl` and the per-run loss/accuracy plot.
 
 Record kinds (one JSON object per line):
-    {"kind": "step", "step", "epoch", "lr", "loss", "loss_<k>", "acc_<k>", "cond_acc_<k>",
+    {"kind": "step", "step", "epoch", "lr", "loss", "loss_<j>", "acc_<j>", "cond_acc_<j>",
      "tokens", "tokens_per_s", "grad_norm"}
-        loss_<k>: forward KL at TTT step k, unweighted (the optimized loss is
-        sum_k decay**k * loss_<k>); acc_<k>: share of trainable positions whose draft argmax
-        equals the teacher argmax at steps 0..k (the chance k+1 tokens are accepted);
-        cond_acc_<k>: the same given steps 0..k-1 were right.
-    {"kind": "epoch", "epoch", "step", "val_loss", "val_loss_<k>", "val_acc_<k>",
+        loss_<j>: forward KL at TTT step j, unweighted (the optimized loss is
+        sum_j decay**j * loss_<j>); acc_<j>: share of trainable positions whose draft argmax
+        equals the teacher argmax at steps 0..j (the chance j+1 tokens are accepted);
+        cond_acc_<j>: the same given steps 0..j-1 were right.
+    {"kind": "epoch", "epoch", "step", "val_loss", "val_loss_<j>", "val_acc_<j>",
      "tau", "accept_rate_per_pos", ...}   (`services.train.acceptance.simulated_tau`)
 
 Invariants: a resumed run first truncates the file to the records at or before its
@@ -51,16 +51,16 @@ def step_metrics(raw: dict[str, float], ttt_steps: int, decay: float) -> dict[st
     """Per-TTT-step loss and accuracies from speculators' `Eagle3DraftModel.forward` metrics.
 
     Args:
-        raw: `{name: value}` from forward's metrics dict (`loss_<k>_sum` is decay**k-weighted,
-            `full_acc_<k>_sum/_total`, `cond_acc_<k>_sum/_total`), already `.item()`-ed.
-        ttt_steps: k.
+        raw: `{name: value}` from forward's metrics dict (`loss_<j>_sum` is decay**j-weighted,
+            `full_acc_<j>_sum/_total`, `cond_acc_<j>_sum/_total`), already `.item()`-ed.
+        ttt_steps: the TTT depth.
         decay: `train.step_loss_decay`.
     """
     out: dict[str, float] = {"loss": raw["loss_sum"]}
-    for k in range(ttt_steps):
-        out[f"loss_{k}"] = raw[f"loss_{k}_sum"] / decay**k
-        out[f"acc_{k}"] = _ratio(raw, f"full_acc_{k}")
-        out[f"cond_acc_{k}"] = _ratio(raw, f"cond_acc_{k}")
+    for j in range(ttt_steps):
+        out[f"loss_{j}"] = raw[f"loss_{j}_sum"] / decay**j
+        out[f"acc_{j}"] = _ratio(raw, f"full_acc_{j}")
+        out[f"cond_acc_{j}"] = _ratio(raw, f"cond_acc_{j}")
     return out
 
 
@@ -84,9 +84,9 @@ def plot(records: list[dict[str, Any]], out: Path, ttt_steps: int) -> Path:
     epochs = [r for r in records if r["kind"] == "epoch"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     xs = [r["step"] for r in steps]
-    for k in range(ttt_steps):
-        axes[0].plot(xs, [r[f"loss_{k}"] for r in steps], label=f"loss_{k}")
-        axes[1].plot(xs, [r[f"acc_{k}"] for r in steps], label=f"acc_{k}")
+    for j in range(ttt_steps):
+        axes[0].plot(xs, [r[f"loss_{j}"] for r in steps], label=f"loss_{j}")
+        axes[1].plot(xs, [r[f"acc_{j}"] for r in steps], label=f"acc_{j}")
     for ax, title in zip(
         axes[:2], ["train KL per TTT step", "train accuracy (chain)"], strict=True
     ):
