@@ -117,17 +117,16 @@ class DatasetLoad(Record):
     bad_lines: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class PlanDataset(Record):
-    """One recipe dataset as planned: how a prep worker reads its rows.
+class DataSource(Record):
+    """Where one recipe dataset's rows come from and how they are read.
 
     Attributes:
         name: label used as each conversation's `source`.
-        adapter: the format adapter (`services.prep.formats.ADAPTERS`).
+        adapter: the format adapter (`services.prep.formats.ADAPTERS`), `auto` until the
+            plan resolves it.
         reader: `jsonl` / `json_array` (local files read by byte range from the plan's row
             index) or `hf` (an Arrow dataset read by row number).
         path: local file or hub id; config_name, split: hub settings.
-        rows: rows available; selected: rows the plan picked.
-        load: what the scan found.
     """
 
     name: str
@@ -136,6 +135,18 @@ class PlanDataset(Record):
     path: str
     config_name: str | None = None
     split: str | None = None
+
+
+class PlanDataset(Record):
+    """One recipe dataset as planned: its source, its size and what the plan took.
+
+    Attributes:
+        source: how a prep worker reads its rows (adapter resolved).
+        rows: rows available; selected: rows the plan picked.
+        load: what the scan found.
+    """
+
+    source: DataSource
     rows: int
     selected: int
     load: DatasetLoad

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 from services.prep.formats import ADAPTERS, RowRejected, normalize
-from services.prep.sources import RowError, read_rows, source_of
+from services.prep.sources import RowError, read_rows
 from shared.errors import StageFailedError
 from shared.records import Conversation, PrepReport, QuarantinedRow
 from shared.stage import HOUR_S, PER_PLAN_SHARD, ShardResult, StageContext, stage
@@ -36,8 +36,8 @@ def _read_shard(ctx: StageContext) -> list[tuple[int, int, Any]]:
     for d in sorted({ds for ds, _ in pairs}):
         rows = [r for ds, r in pairs if ds == d]
         meta = plan.datasets[d]
-        ranges = art.row_index(d) if meta.reader != "hf" else None
-        for r, raw in zip(rows, read_rows(source_of(meta), ranges, rows), strict=True):
+        ranges = art.row_index(d) if meta.source.reader != "hf" else None
+        for r, raw in zip(rows, read_rows(meta.source, ranges, rows), strict=True):
             raws[(d, r)] = raw
     return [(d, r, raws[(d, r)]) for d, r in pairs]
 
@@ -61,7 +61,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         try:
             if isinstance(raw, RowError):
                 raise RowRejected(raw.reason, "<row>", raw.detail)
-            adapted = normalize(ADAPTERS[meta.adapter](raw), cfg.max_turn_chars)
+            adapted = normalize(ADAPTERS[meta.source.adapter](raw), cfg.max_turn_chars)
         except RowRejected as e:
             skipped[e.reason] += 1
             shown = "" if isinstance(raw, RowError) else _raw_text(raw)
@@ -80,8 +80,8 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         kept.append(
             Conversation.model_validate(
                 {
-                    "id": f"{meta.name}:{row}",
-                    "source": meta.name,
+                    "id": f"{meta.source.name}:{row}",
+                    "source": meta.source.name,
                     "messages": adapted.messages,
                     "tools": adapted.tools,
                 }

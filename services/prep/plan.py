@@ -21,17 +21,17 @@ import logging
 import numpy as np
 
 from services.prep.formats import detect_format
-from services.prep.sources import Source, first_rows, index_source, plan_dataset, resolve_source
+from services.prep.sources import first_rows, index_source, resolve_source
 from shared.artifacts import write_model, write_npy
 from shared.errors import InputError
 from shared.recipe import Recipe
-from shared.records import DatasetLoad, Plan
+from shared.records import DatasetLoad, DataSource, Plan, PlanDataset
 from shared.stage import HOUR_S, ShardResult, StageContext, stage
 
 log = logging.getLogger("eyrie.prep.plan")
 
 
-def resolve_adapter(source: Source, ranges: np.ndarray | None) -> str:
+def resolve_adapter(source: DataSource, ranges: np.ndarray | None) -> str:
     """The adapter of a source; `auto` becomes the format of its first recognizable row.
 
     Rows of another format are then rejected by the adapter and counted (`format_mismatch`).
@@ -130,7 +130,12 @@ def plan_stage(ctx: StageContext) -> ShardResult:
         shard_rows=size,
         selected=len(selection),
         datasets=[
-            plan_dataset(s, load, a, int(c))
+            PlanDataset(
+                source=s.model_copy(update={"adapter": a}),
+                rows=load.rows,
+                selected=int(c),
+                load=load,
+            )
             for s, (_, load), a, c in zip(sources, indexed, adapters, counts, strict=True)
         ],
     )

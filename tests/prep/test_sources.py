@@ -19,7 +19,6 @@ import pytest
 
 from services.prep.sources import (
     RowError,
-    Source,
     index_json_array,
     index_jsonl,
     read_rows,
@@ -27,6 +26,7 @@ from services.prep.sources import (
 )
 from shared.errors import InputError
 from shared.recipe import DatasetSpec
+from shared.records import DataSource
 
 SAMPLES = Path(__file__).parents[1] / "fixtures" / "samples"
 JSON_WS = " \t\r\n"
@@ -326,8 +326,11 @@ def test_read_rows_reports_undecodable_rows(tmp_path):
 def test_source_kinds(tmp_path):
     from shared.errors import ConfigError
 
-    assert resolve_source(DatasetSpec(path=str(SAMPLES / "alpaca_en_demo.json")), 0) == Source(
-        "alpaca_en_demo", "auto", "json_array", str(SAMPLES / "alpaca_en_demo.json")
+    assert resolve_source(DatasetSpec(path=str(SAMPLES / "alpaca_en_demo.json")), 0) == DataSource(
+        name="alpaca_en_demo",
+        adapter="auto",
+        reader="json_array",
+        path=str(SAMPLES / "alpaca_en_demo.json"),
     )
     csv = tmp_path / "d.csv"
     csv.write_text("a,b\n")
