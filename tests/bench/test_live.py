@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scripts.benchdata import untied_zero_head_target
 from services.bench.prompts import mtbench_messages
 from services.bench.sweep import sweep_server
 from services.conductor.processes import free_port
 from shared.artifacts import RunStore
 from shared.recipe import resolve_recipe
-from tests.bench.acceptance_models import untied_zero_head_target
 from tests.vllm_fixtures import LiveServer, fixture_recipe_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

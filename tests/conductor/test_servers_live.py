@@ -38,7 +38,7 @@ def test_baseline_answers(vllm_baseline):
     models = httpx.get(f"{vllm_baseline.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [vllm_baseline.model]
     body = _chat(vllm_baseline, "What is the capital of France?")
-    # SmolLM2-135M-Instruct's greedy answer (../shared/real-inputs.md).
+    # SmolLM2-135M-Instruct's greedy answer (measured on this CPU build).
     assert body["choices"][0]["message"]["content"] == "The capital of France is Paris."
     assert "vllm:spec_decode" not in httpx.get(vllm_baseline.metrics_url, timeout=10).text
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from scripts.benchdata import smollm2_target
 from shared.artifacts import RunStore
 from shared.recipe import resolve_recipe
-from tests.conftest import smollm2_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -351,7 +351,7 @@ def test_sharegpt_wheel_preset_plan_is_deterministic(data_dir, smollm2_path, tmp
         assert (a.plan.dir / name).read_bytes() == (b.plan.dir / name).read_bytes(), name
     assert a.read_manifest("plan").files == b.read_manifest("plan").files
     info = a.plan.read().datasets[0]
-    assert info.rows == 17671 and info.selected == 10  # real-inputs.md: 17,671
+    assert info.rows == 17671 and info.selected == 10  # the complete records of the truncated file
     assert info.load.truncated is True and a.plan.read().num_shards == 3
 
 

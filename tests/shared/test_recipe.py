@@ -161,7 +161,7 @@ def all_field_paths() -> list[str]:
 
 
 def test_every_field_documented_and_strict():
-    """STYLE.md §1: every field has a description; every section forbids unknown keys."""
+    """Every field has a description; every section forbids unknown keys."""
     missing = [path for path, f in _walk(Recipe) if not (f.description or "").strip()]
     assert missing == []
     subs = [(path, _submodel(f.annotation)) for path, f in _walk(Recipe)]

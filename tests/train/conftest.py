@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from scripts.benchdata import smollm2_target
 from shared.artifacts import RunStore
 from shared.recipe import Recipe, resolve_recipe
-from tests.conftest import smollm2_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

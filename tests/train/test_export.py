@@ -1,5 +1,5 @@
 """Export of the trained draft: three folders that load, and a lint that catches each
-EAGLE-3 invariant (eagle3-conventions.md §1, §3, §6) broken on purpose, one test each."""
+EAGLE-3 invariant (EAGLE-3 conventions §1, §3, §6) broken on purpose, one test each."""
 
 from __future__ import annotations
 

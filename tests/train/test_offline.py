@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import yaml
 
+from scripts.benchdata import smollm2_target
 from services.conductor.cli import main
 from shared.artifacts import RunStore, TokenizedSample, write_npy
 from shared.recipe import resolve_recipe
-from tests.conftest import run_stage, smollm2_target
+from tests.conftest import run_stage
 
 K = 3
 CONVS = [

@@ -24,7 +24,7 @@ def test_trained_draft_serves_and_counters_move(exported_run, vllm_eagle3):
         timeout=300,
     )
     r.raise_for_status()
-    # SmolLM2-135M-Instruct's greedy answer (real-inputs.md): speculation must not change it.
+    # SmolLM2-135M-Instruct's greedy answer: speculation must not change it.
     assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
     after = scrape(server.url)
     drafts = after.totals[DRAFTS] - before.totals.get(DRAFTS, 0)
