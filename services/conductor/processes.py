@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import random
 import socket
 import subprocess
 import sys
@@ -21,11 +22,36 @@ from shared.errors import ServiceUnavailableError
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the ephemeral range.
+
+    A server started minutes later on a port the kernel also hands out to outgoing
+    connections can find it taken by a client socket (`Address already in use`: a demo's
+    vLLM lost its port to one of the many Redis/HTTP client sockets of a long run), so
+    ports come from below the kernel's ephemeral range (`ip_local_port_range`).
+
+    Raises:
+        ServiceUnavailableError: no port in 10000 … ephemeral-low is free.
+    """
+    low, high = _ephemeral_range()
+    top = low if low > 11000 else 65536
+    bottom = 10000 if low > 11000 else high + 1
+    for port in random.sample(range(bottom, top), min(200, top - bottom)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ServiceUnavailableError(f"no free TCP port in {bottom}-{top - 1}")
 
 
 def start_redis_server(

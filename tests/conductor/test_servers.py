@@ -158,3 +158,17 @@ def test_serving_refuses_before_starting_anything(recipe, smollm2_path, tmp_path
     assert not store.serve.log_path("baseline").exists()
     assert not store.serve.log_path("eagle3").exists()
     assert not list((tmp_path / "data").glob("serve/*.json"))
+
+
+def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
+    """A port from the ephemeral range can be taken by any outgoing connection before the
+    server binds it (a CI demo lost its vLLM port that way)."""
+    import socket
+    from pathlib import Path
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
