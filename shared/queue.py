@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -193,8 +194,73 @@ def enqueue(spec: JobSpec, conn: Redis, depends_on: list[str] | None = None) -> 
     )
 
 
-class HeartbeatSimpleWorker(SimpleWorker):
-    """rq's non-forking worker, heart-beating while a job runs.
+def refusal_reason(job: Job, job_funcs: frozenset[str] = frozenset({JOB_FUNC})) -> str | None:
+    """Why a worker must not run `job`, or None when it may.
+
+    Only the job's function name and its callback and webhook fields are read; nothing is
+    imported and the arguments are not acted on (the queue's serializer is JSON, so reading
+    the job's data runs no code). A job is refused when its function is not in `job_funcs`,
+    when it is bound to an instance, when it names an `on_success`/`on_failure`/`on_stopped`
+    callback (each an import path rq would call), or when it carries webhooks (URLs rq would
+    post to).
+    """
+    try:
+        func, instance = job.func_name, job._instance
+    except Exception as e:  # data that is not JSON: pickle, or garbage
+        return f"job data is not Eyrie's JSON payload ({type(e).__name__})"
+    if func not in job_funcs:
+        return f"function {func!r:.120} is not Eyrie's job function {JOB_FUNC}"
+    if instance is not None:
+        return "the job is bound to an instance"
+    callbacks = {
+        "on_success": job._success_callback_name,
+        "on_failure": job._failure_callback_name,
+        "on_stopped": job._stopped_callback_name,
+    }
+    named = [f"{k}={v!r:.120}" for k, v in callbacks.items() if v]
+    if named:
+        return f"the job names callbacks ({', '.join(named)})"
+    if job.webhooks:
+        return f"the job carries {len(job.webhooks)} webhook(s)"
+    return None
+
+
+class AllowlistWorkerMixin:
+    """Refuses, before running anything, every job that is not an Eyrie stage job.
+
+    Anyone who can write to Redis can push a job naming any importable function (with the
+    JSON serializer, `os.system` and a string are enough) or callbacks and webhooks. The
+    worker checks each dequeued job with `refusal_reason`; a refused job is logged, moved to
+    the failed registry with the reason as its failure text, and the worker goes on serving.
+
+    Attributes:
+        job_funcs: function import paths this worker runs; `{JOB_FUNC}` for `eyrie worker`.
+    """
+
+    job_funcs: frozenset[str] = frozenset({JOB_FUNC})
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        reason = refusal_reason(job, self.job_funcs)
+        if reason is None:
+            super().execute_job(job, queue)  # type: ignore[misc]
+            return
+        worker: Worker = self  # type: ignore[assignment]
+        text = f"RefusedJobError: job {job.id} refused by worker {worker.name}: {reason}"
+        worker.log.error(text)
+        with worker.connection.pipeline() as pipe:
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job.ended_at = datetime.now(UTC)
+            job._handle_failure(text, pipeline=pipe, worker_name=worker.name or "")
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+
+
+class EyrieWorker(AllowlistWorkerMixin, Worker):
+    """rq's forking worker that runs only Eyrie's stage jobs (`AllowlistWorkerMixin`)."""
+
+
+class HeartbeatSimpleWorker(AllowlistWorkerMixin, SimpleWorker):
+    """rq's non-forking worker, heart-beating while a job runs, running only Eyrie's jobs.
 
     rq's SimpleWorker runs the job in its own main thread, so it sends no heartbeat until the
     job ends: a worker on another host busy with a long training job would look exactly like
@@ -224,11 +290,14 @@ def make_worker(
     name: str | None = None,
     job_monitoring_interval: int = 30,
     worker_ttl: int | None = None,
-) -> Worker | HeartbeatSimpleWorker:
+    job_funcs: frozenset[str] = frozenset({JOB_FUNC}),
+) -> EyrieWorker | HeartbeatSimpleWorker:
     """Build an rq worker for `queues`.
 
     extract/train get rq's non-forking SimpleWorker (the model stays loaded across jobs);
-    CPU stages get the forking Worker. Mixing the two kinds in one worker is refused.
+    CPU stages get the forking Worker. Mixing the two kinds in one worker is refused. Either
+    kind runs only jobs whose function is in `job_funcs` and refuses the rest
+    (`AllowlistWorkerMixin`); `eyrie worker` leaves it at Eyrie's one job function.
 
     Raises:
         ConfigError: unknown queue, or extract/train mixed with forking queues.
@@ -242,8 +311,8 @@ def make_worker(
             f"queues {queues}: extract/train need a non-forking worker of their own; "
             "start them separately from prep/regen/eval"
         )
-    cls = HeartbeatSimpleWorker if kinds == {True} else Worker
-    return cls(
+    cls = HeartbeatSimpleWorker if kinds == {True} else EyrieWorker
+    w = cls(
         [get_queue(q, conn) for q in queues],
         connection=conn,
         name=name,
@@ -251,6 +320,8 @@ def make_worker(
         job_monitoring_interval=job_monitoring_interval,
         worker_ttl=worker_ttl,
     )
+    w.job_funcs = frozenset(job_funcs)
+    return w
 
 
 def failure_text(job: Job) -> str:
