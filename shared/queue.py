@@ -13,20 +13,24 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psutil
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry, SimpleWorker, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -50,6 +54,17 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_ABANDON_REQUEUES = 5
 
 _JOB_ID_OK = re.compile(r"^[A-Za-z0-9_-]+$")
+
+log = logging.getLogger("eyrie.queue")
+T = TypeVar("T")
+
+#: Redis errors that mean "Redis is away for now", as opposed to a bad command.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+#: Environment setting: how long (seconds) the conductor, the reconciler, the GPU lease and
+#: the workers ride out a Redis outage before giving up with one line and a non-zero exit.
+REDIS_OUTAGE_ENV = "EYRIE_REDIS_OUTAGE_S"
+DEFAULT_REDIS_OUTAGE_S = 600.0
 
 
 def redis_url() -> str:
@@ -85,6 +100,102 @@ def connect(url: str | None = None) -> Redis:
             "EYRIE_REDIS_URL."
         ) from e
     return conn
+
+
+def redis_outage_s() -> float:
+    """`$EYRIE_REDIS_OUTAGE_S`: seconds a Redis outage is ridden out (default 600).
+
+    Raises:
+        ConfigError: the value is not a finite number > 0.
+    """
+    raw = os.environ.get(REDIS_OUTAGE_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_REDIS_OUTAGE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{REDIS_OUTAGE_ENV}={raw!r:.40}: expected seconds, a number > 0")
+    return value
+
+
+class RedisOutage:
+    """Rides out one Redis outage at a time for at most `budget_s` seconds.
+
+    `call(fn)` runs `fn`; while it raises a connection or timeout error it is retried with
+    exponential backoff (0.5 s doubling to 10 s). An outage starts at the first error and
+    ends at the next success; when one lasts longer than `budget_s` the error becomes a
+    `ServiceUnavailableError` with one line naming Redis (password masked), what was being
+    done and for how long. Only idempotent work may be wrapped: a call interrupted midway
+    is run again from its start.
+
+    Args:
+        what: what the caller does, for messages ("the conductor's wait loop").
+        budget_s: seconds one outage may last; None = `redis_outage_s()`.
+        url: the Redis URL for messages; None = `redis_url()`.
+    """
+
+    def __init__(self, what: str, budget_s: float | None = None, url: str | None = None):
+        self.what = what
+        self.budget_s = redis_outage_s() if budget_s is None else budget_s
+        self.url = url or redis_url()
+        self.since: float | None = None
+        self._delay = 0.5
+
+    def failed(self, err: BaseException) -> None:
+        """Record a failed attempt; sleep the backoff, or raise once past the budget.
+
+        Raises:
+            ServiceUnavailableError: the outage has lasted longer than `budget_s`.
+        """
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self._delay = 0.5
+            log.warning(
+                "%s: Redis at %s unreachable (%s); retrying for up to %.0fs",
+                self.what, mask_url(self.url), err, self.budget_s,
+            )  # fmt: skip
+        elapsed = now - self.since
+        if elapsed >= self.budget_s:
+            raise ServiceUnavailableError(
+                f"Redis at {mask_url(self.url)} unreachable for {elapsed:.0f}s during "
+                f"{self.what} ({type(err).__name__}: {str(err)[:200]}); gave up after "
+                f"{REDIS_OUTAGE_ENV}={self.budget_s:g}s. Start Redis and rerun: finished "
+                "shards are kept."
+            ) from err
+        time.sleep(min(self._delay, self.budget_s - elapsed))
+        self._delay = min(self._delay * 2, 10.0)
+
+    def succeeded(self) -> None:
+        """Record a success: the outage, if any, is over."""
+        if self.since is not None:
+            log.warning("%s: Redis is back after %.1fs", self.what, time.monotonic() - self.since)
+            self.since = None
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, retried through Redis outages (see the class).
+
+        Raises:
+            ServiceUnavailableError: Redis stayed away longer than the budget.
+        """
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except REDIS_DOWN as e:
+                self.failed(e)
+                continue
+            self.succeeded()
+            return result
+
+    def wait_for(self, conn: Redis) -> None:
+        """Block until `conn` answers PING (within the budget).
+
+        Raises:
+            ServiceUnavailableError: it did not within the budget.
+        """
+        self.call(conn.ping)
 
 
 def job_id(run_id: str, stage: str, shard: int) -> str:
@@ -255,11 +366,131 @@ class AllowlistWorkerMixin:
             pipe.execute()
 
 
-class EyrieWorker(AllowlistWorkerMixin, Worker):
-    """rq's forking worker that runs only Eyrie's stage jobs (`AllowlistWorkerMixin`)."""
+class OutageTolerantWorkerMixin:
+    """Keeps an rq worker, and the shard it runs, alive through a short Redis outage.
+
+    rq's own loop retries only while it waits for a job; a Redis error anywhere else (a
+    heartbeat, a state update, the monitoring of a running work-horse, a job's start or end
+    bookkeeping) ends the worker, and with it the shard it was running. Here:
+
+    - heartbeats, state updates, suspension checks and maintenance passes that hit an
+      outage are skipped (the next one runs when Redis is back), so a running work-horse
+      keeps being monitored and the job keeps running;
+    - when a job's own rq bookkeeping fails on an outage, the worker waits for Redis
+      (`RedisOutage`) and puts the job back on its queue: a shard that finished meanwhile
+      has its manifest, and its re-run is a no-op, so nothing is lost or done twice;
+    - past `outage_s` without Redis the worker stops, `gave_up` says why and
+      `eyrie worker` exits 1 with that line.
+
+    Attributes:
+        outage_s: seconds an outage is ridden out (`redis_outage_s()`).
+        gave_up: None, or the one-line reason the worker stopped.
+    """
+
+    outage_s: float = DEFAULT_REDIS_OUTAGE_S
+    gave_up: str | None = None
+
+    def _outage(self) -> RedisOutage:
+        existing: RedisOutage | None = getattr(self, "_redis_outage", None)
+        if existing is None:
+            existing = RedisOutage(f"worker {getattr(self, 'name', '?')}", self.outage_s)
+            self._redis_outage = existing
+        return existing
+
+    def _tolerate(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            result = fn()
+        except REDIS_DOWN as e:
+            outage = self._outage()
+            if outage.since is None:
+                outage.since = time.monotonic()
+                log.warning("worker: Redis unreachable during %s (%s); carrying on", what, e)
+            elif time.monotonic() - outage.since > outage.budget_s:
+                try:
+                    outage.failed(e)
+                except ServiceUnavailableError as gave_up:
+                    self.gave_up = str(gave_up)
+                    raise
+            return None
+        current: RedisOutage | None = getattr(self, "_redis_outage", None)
+        if current is not None:
+            current.succeeded()
+        return result
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        sup: Any = super()
+        if pipeline is not None:  # only queues commands; whoever executes the pipeline fails
+            sup.heartbeat(timeout, pipeline)
+            return
+        self._tolerate(lambda: sup.heartbeat(timeout), "a heartbeat")
+
+    def maintain_heartbeats(self, job: Job, execution: Any) -> None:
+        sup: Any = super()
+        self._tolerate(lambda: sup.maintain_heartbeats(job, execution), f"job {job.id}'s heartbeat")
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        sup: Any = super()
+        if pipeline is not None:
+            sup.set_state(state, pipeline)
+            return
+        self._tolerate(lambda: sup.set_state(state), "a state update")
+
+    def check_for_suspension(self, burst: bool) -> None:
+        sup: Any = super()
+        self._tolerate(lambda: sup.check_for_suspension(burst), "the suspension check")
+
+    def run_maintenance_tasks(self) -> None:
+        sup: Any = super()
+        self._tolerate(sup.run_maintenance_tasks, "maintenance")
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            super().execute_job(job, queue)  # type: ignore[misc]
+        except REDIS_DOWN as e:
+            w: Worker = self  # type: ignore[assignment]
+            w.log.warning("job %s: Redis went away during its bookkeeping (%s)", job.id, e)
+            outage = self._outage()
+            try:
+                outage.failed(e)
+                outage.wait_for(w.connection)
+                outage.call(_requeue_interrupted, job, queue)
+            except ServiceUnavailableError as gave_up:
+                self.gave_up = str(gave_up)
+                raise
+            w.log.warning("job %s: back on queue %s after the Redis outage", job.id, queue.name)
 
 
-class HeartbeatSimpleWorker(AllowlistWorkerMixin, SimpleWorker):
+def _requeue_interrupted(job: Job, queue: Queue) -> None:
+    """Put a job whose rq bookkeeping an outage interrupted back on its queue.
+
+    A finished job is left alone. Stale entries of its execution in the started registry
+    and the intermediate queue are removed, so rq's cleanup does not later take the re-run
+    for an abandoned job.
+    """
+    conn = queue.connection
+    status = job.get_status(refresh=True)
+    if status == JobStatus.FINISHED:
+        return
+    reg = queue.started_job_registry
+    members: list[bytes] = conn.zrange(reg.key, 0, -1)  # type: ignore[assignment]
+    stale = [m for m in members if m.decode().split(":")[0] == job.id]
+    with conn.pipeline() as pipe:
+        if stale:
+            pipe.zrem(reg.key, *stale)
+        pipe.lrem(queue.intermediate_queue_key, 0, job.id)
+        pipe.execute()
+    if status != JobStatus.QUEUED or job.id not in queue.get_job_ids():
+        queue.enqueue_job(job)
+
+
+class EyrieWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, Worker):
+    """rq's forking worker, running only Eyrie's stage jobs, riding out Redis outages.
+
+    See `AllowlistWorkerMixin` and `OutageTolerantWorkerMixin`.
+    """
+
+
+class HeartbeatSimpleWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, SimpleWorker):
     """rq's non-forking worker, heart-beating while a job runs, running only Eyrie's jobs.
 
     rq's SimpleWorker runs the job in its own main thread, so it sends no heartbeat until the
@@ -321,6 +552,7 @@ def make_worker(
         worker_ttl=worker_ttl,
     )
     w.job_funcs = frozenset(job_funcs)
+    w.outage_s = redis_outage_s()
     return w
 
 
