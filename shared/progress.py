@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+from redis.exceptions import RedisError
 from tqdm import tqdm
+
+log = logging.getLogger("eyrie.progress")
 
 
 class Progress:
@@ -51,7 +55,10 @@ class Progress:
                 "eta_s": None if eta is None else round(eta, 1),
                 **{k: v for k, v in extra.items() if isinstance(v, int | float | str)},
             }
-            self.job.save_meta()
+            try:
+                self.job.save_meta()
+            except RedisError as e:  # progress is a courtesy: a Redis outage must not fail a shard
+                log.debug("progress of %s not saved: %s", self.bar.desc, e)
 
     def close(self) -> None:
         self.bar.close()

@@ -13,19 +13,24 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psutil
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry, SimpleWorker, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -49,6 +54,17 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_ABANDON_REQUEUES = 5
 
 _JOB_ID_OK = re.compile(r"^[A-Za-z0-9_-]+$")
+
+log = logging.getLogger("eyrie.queue")
+T = TypeVar("T")
+
+#: Redis errors that mean "Redis is away for now", as opposed to a bad command.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+#: Environment setting: how long (seconds) the conductor, the reconciler, the GPU lease and
+#: the workers ride out a Redis outage before giving up with one line and a non-zero exit.
+REDIS_OUTAGE_ENV = "EYRIE_REDIS_OUTAGE_S"
+DEFAULT_REDIS_OUTAGE_S = 600.0
 
 
 def redis_url() -> str:
@@ -84,6 +100,102 @@ def connect(url: str | None = None) -> Redis:
             "EYRIE_REDIS_URL."
         ) from e
     return conn
+
+
+def redis_outage_s() -> float:
+    """`$EYRIE_REDIS_OUTAGE_S`: seconds a Redis outage is ridden out (default 600).
+
+    Raises:
+        ConfigError: the value is not a finite number > 0.
+    """
+    raw = os.environ.get(REDIS_OUTAGE_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_REDIS_OUTAGE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{REDIS_OUTAGE_ENV}={raw!r:.40}: expected seconds, a number > 0")
+    return value
+
+
+class RedisOutage:
+    """Rides out one Redis outage at a time for at most `budget_s` seconds.
+
+    `call(fn)` runs `fn`; while it raises a connection or timeout error it is retried with
+    exponential backoff (0.5 s doubling to 10 s). An outage starts at the first error and
+    ends at the next success; when one lasts longer than `budget_s` the error becomes a
+    `ServiceUnavailableError` with one line naming Redis (password masked), what was being
+    done and for how long. Only idempotent work may be wrapped: a call interrupted midway
+    is run again from its start.
+
+    Args:
+        what: what the caller does, for messages ("the conductor's wait loop").
+        budget_s: seconds one outage may last; None = `redis_outage_s()`.
+        url: the Redis URL for messages; None = `redis_url()`.
+    """
+
+    def __init__(self, what: str, budget_s: float | None = None, url: str | None = None):
+        self.what = what
+        self.budget_s = redis_outage_s() if budget_s is None else budget_s
+        self.url = url or redis_url()
+        self.since: float | None = None
+        self._delay = 0.5
+
+    def failed(self, err: BaseException) -> None:
+        """Record a failed attempt; sleep the backoff, or raise once past the budget.
+
+        Raises:
+            ServiceUnavailableError: the outage has lasted longer than `budget_s`.
+        """
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self._delay = 0.5
+            log.warning(
+                "%s: Redis at %s unreachable (%s); retrying for up to %.0fs",
+                self.what, mask_url(self.url), err, self.budget_s,
+            )  # fmt: skip
+        elapsed = now - self.since
+        if elapsed >= self.budget_s:
+            raise ServiceUnavailableError(
+                f"Redis at {mask_url(self.url)} unreachable for {elapsed:.0f}s during "
+                f"{self.what} ({type(err).__name__}: {str(err)[:200]}); gave up after "
+                f"{REDIS_OUTAGE_ENV}={self.budget_s:g}s. Start Redis and rerun: finished "
+                "shards are kept."
+            ) from err
+        time.sleep(min(self._delay, self.budget_s - elapsed))
+        self._delay = min(self._delay * 2, 10.0)
+
+    def succeeded(self) -> None:
+        """Record a success: the outage, if any, is over."""
+        if self.since is not None:
+            log.warning("%s: Redis is back after %.1fs", self.what, time.monotonic() - self.since)
+            self.since = None
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, retried through Redis outages (see the class).
+
+        Raises:
+            ServiceUnavailableError: Redis stayed away longer than the budget.
+        """
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except REDIS_DOWN as e:
+                self.failed(e)
+                continue
+            self.succeeded()
+            return result
+
+    def wait_for(self, conn: Redis) -> None:
+        """Block until `conn` answers PING (within the budget).
+
+        Raises:
+            ServiceUnavailableError: it did not within the budget.
+        """
+        self.call(conn.ping)
 
 
 def job_id(run_id: str, stage: str, shard: int) -> str:
@@ -193,8 +305,193 @@ def enqueue(spec: JobSpec, conn: Redis, depends_on: list[str] | None = None) -> 
     )
 
 
-class HeartbeatSimpleWorker(SimpleWorker):
-    """rq's non-forking worker, heart-beating while a job runs.
+def refusal_reason(job: Job, job_funcs: frozenset[str] = frozenset({JOB_FUNC})) -> str | None:
+    """Why a worker must not run `job`, or None when it may.
+
+    Only the job's function name and its callback and webhook fields are read; nothing is
+    imported and the arguments are not acted on (the queue's serializer is JSON, so reading
+    the job's data runs no code). A job is refused when its function is not in `job_funcs`,
+    when it is bound to an instance, when it names an `on_success`/`on_failure`/`on_stopped`
+    callback (each an import path rq would call), or when it carries webhooks (URLs rq would
+    post to).
+    """
+    try:
+        func, instance = job.func_name, job._instance
+    except Exception as e:  # data that is not JSON: pickle, or garbage
+        return f"job data is not Eyrie's JSON payload ({type(e).__name__})"
+    if func not in job_funcs:
+        return f"function {func!r:.120} is not Eyrie's job function {JOB_FUNC}"
+    if instance is not None:
+        return "the job is bound to an instance"
+    callbacks = {
+        "on_success": job._success_callback_name,
+        "on_failure": job._failure_callback_name,
+        "on_stopped": job._stopped_callback_name,
+    }
+    named = [f"{k}={v!r:.120}" for k, v in callbacks.items() if v]
+    if named:
+        return f"the job names callbacks ({', '.join(named)})"
+    if job.webhooks:
+        return f"the job carries {len(job.webhooks)} webhook(s)"
+    return None
+
+
+class AllowlistWorkerMixin:
+    """Refuses, before running anything, every job that is not an Eyrie stage job.
+
+    Anyone who can write to Redis can push a job naming any importable function (with the
+    JSON serializer, `os.system` and a string are enough) or callbacks and webhooks. The
+    worker checks each dequeued job with `refusal_reason`; a refused job is logged, moved to
+    the failed registry with the reason as its failure text, and the worker goes on serving.
+
+    Attributes:
+        job_funcs: function import paths this worker runs; `{JOB_FUNC}` for `eyrie worker`.
+    """
+
+    job_funcs: frozenset[str] = frozenset({JOB_FUNC})
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        reason = refusal_reason(job, self.job_funcs)
+        if reason is None:
+            super().execute_job(job, queue)  # type: ignore[misc]
+            return
+        worker: Worker = self  # type: ignore[assignment]
+        text = f"RefusedJobError: job {job.id} refused by worker {worker.name}: {reason}"
+        worker.log.error(text)
+        with worker.connection.pipeline() as pipe:
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job.ended_at = datetime.now(UTC)
+            job._handle_failure(text, pipeline=pipe, worker_name=worker.name or "")
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+
+
+class OutageTolerantWorkerMixin:
+    """Keeps an rq worker, and the shard it runs, alive through a short Redis outage.
+
+    rq's own loop retries only while it waits for a job; a Redis error anywhere else (a
+    heartbeat, a state update, the monitoring of a running work-horse, a job's start or end
+    bookkeeping) ends the worker, and with it the shard it was running. Here:
+
+    - heartbeats, state updates, suspension checks and maintenance passes that hit an
+      outage are skipped (the next one runs when Redis is back), so a running work-horse
+      keeps being monitored and the job keeps running;
+    - when a job's own rq bookkeeping fails on an outage, the worker waits for Redis
+      (`RedisOutage`) and puts the job back on its queue: a shard that finished meanwhile
+      has its manifest, and its re-run is a no-op, so nothing is lost or done twice;
+    - past `outage_s` without Redis the worker stops, `gave_up` says why and
+      `eyrie worker` exits 1 with that line.
+
+    Attributes:
+        outage_s: seconds an outage is ridden out (`redis_outage_s()`).
+        gave_up: None, or the one-line reason the worker stopped.
+    """
+
+    outage_s: float = DEFAULT_REDIS_OUTAGE_S
+    gave_up: str | None = None
+
+    def _outage(self) -> RedisOutage:
+        existing: RedisOutage | None = getattr(self, "_redis_outage", None)
+        if existing is None:
+            existing = RedisOutage(f"worker {getattr(self, 'name', '?')}", self.outage_s)
+            self._redis_outage = existing
+        return existing
+
+    def _tolerate(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            result = fn()
+        except REDIS_DOWN as e:
+            outage = self._outage()
+            if outage.since is None:
+                outage.since = time.monotonic()
+                log.warning("worker: Redis unreachable during %s (%s); carrying on", what, e)
+            elif time.monotonic() - outage.since > outage.budget_s:
+                try:
+                    outage.failed(e)
+                except ServiceUnavailableError as gave_up:
+                    self.gave_up = str(gave_up)
+                    raise
+            return None
+        current: RedisOutage | None = getattr(self, "_redis_outage", None)
+        if current is not None:
+            current.succeeded()
+        return result
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        sup: Any = super()
+        if pipeline is not None:  # only queues commands; whoever executes the pipeline fails
+            sup.heartbeat(timeout, pipeline)
+            return
+        self._tolerate(lambda: sup.heartbeat(timeout), "a heartbeat")
+
+    def maintain_heartbeats(self, job: Job, execution: Any) -> None:
+        sup: Any = super()
+        self._tolerate(lambda: sup.maintain_heartbeats(job, execution), f"job {job.id}'s heartbeat")
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        sup: Any = super()
+        if pipeline is not None:
+            sup.set_state(state, pipeline)
+            return
+        self._tolerate(lambda: sup.set_state(state), "a state update")
+
+    def check_for_suspension(self, burst: bool) -> None:
+        sup: Any = super()
+        self._tolerate(lambda: sup.check_for_suspension(burst), "the suspension check")
+
+    def run_maintenance_tasks(self) -> None:
+        sup: Any = super()
+        self._tolerate(sup.run_maintenance_tasks, "maintenance")
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            super().execute_job(job, queue)  # type: ignore[misc]
+        except REDIS_DOWN as e:
+            w: Worker = self  # type: ignore[assignment]
+            w.log.warning("job %s: Redis went away during its bookkeeping (%s)", job.id, e)
+            outage = self._outage()
+            try:
+                outage.failed(e)
+                outage.wait_for(w.connection)
+                outage.call(_requeue_interrupted, job, queue)
+            except ServiceUnavailableError as gave_up:
+                self.gave_up = str(gave_up)
+                raise
+            w.log.warning("job %s: back on queue %s after the Redis outage", job.id, queue.name)
+
+
+def _requeue_interrupted(job: Job, queue: Queue) -> None:
+    """Put a job whose rq bookkeeping an outage interrupted back on its queue.
+
+    A finished job is left alone. Stale entries of its execution in the started registry
+    and the intermediate queue are removed, so rq's cleanup does not later take the re-run
+    for an abandoned job.
+    """
+    conn = queue.connection
+    status = job.get_status(refresh=True)
+    if status == JobStatus.FINISHED:
+        return
+    reg = queue.started_job_registry
+    members: list[bytes] = conn.zrange(reg.key, 0, -1)  # type: ignore[assignment]
+    stale = [m for m in members if m.decode().split(":")[0] == job.id]
+    with conn.pipeline() as pipe:
+        if stale:
+            pipe.zrem(reg.key, *stale)
+        pipe.lrem(queue.intermediate_queue_key, 0, job.id)
+        pipe.execute()
+    if status != JobStatus.QUEUED or job.id not in queue.get_job_ids():
+        queue.enqueue_job(job)
+
+
+class EyrieWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, Worker):
+    """rq's forking worker, running only Eyrie's stage jobs, riding out Redis outages.
+
+    See `AllowlistWorkerMixin` and `OutageTolerantWorkerMixin`.
+    """
+
+
+class HeartbeatSimpleWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, SimpleWorker):
+    """rq's non-forking worker, heart-beating while a job runs, running only Eyrie's jobs.
 
     rq's SimpleWorker runs the job in its own main thread, so it sends no heartbeat until the
     job ends: a worker on another host busy with a long training job would look exactly like
@@ -224,11 +521,14 @@ def make_worker(
     name: str | None = None,
     job_monitoring_interval: int = 30,
     worker_ttl: int | None = None,
-) -> Worker | HeartbeatSimpleWorker:
+    job_funcs: frozenset[str] = frozenset({JOB_FUNC}),
+) -> EyrieWorker | HeartbeatSimpleWorker:
     """Build an rq worker for `queues`.
 
     extract/train get rq's non-forking SimpleWorker (the model stays loaded across jobs);
-    CPU stages get the forking Worker. Mixing the two kinds in one worker is refused.
+    CPU stages get the forking Worker. Mixing the two kinds in one worker is refused. Either
+    kind runs only jobs whose function is in `job_funcs` and refuses the rest
+    (`AllowlistWorkerMixin`); `eyrie worker` leaves it at Eyrie's one job function.
 
     Raises:
         ConfigError: unknown queue, or extract/train mixed with forking queues.
@@ -242,8 +542,8 @@ def make_worker(
             f"queues {queues}: extract/train need a non-forking worker of their own; "
             "start them separately from prep/regen/eval"
         )
-    cls = HeartbeatSimpleWorker if kinds == {True} else Worker
-    return cls(
+    cls = HeartbeatSimpleWorker if kinds == {True} else EyrieWorker
+    w = cls(
         [get_queue(q, conn) for q in queues],
         connection=conn,
         name=name,
@@ -251,6 +551,9 @@ def make_worker(
         job_monitoring_interval=job_monitoring_interval,
         worker_ttl=worker_ttl,
     )
+    w.job_funcs = frozenset(job_funcs)
+    w.outage_s = redis_outage_s()
+    return w
 
 
 def failure_text(job: Job) -> str:

@@ -63,6 +63,31 @@ class TargetConfig(Section):
         None, gt=0, description="Expected target vocab size in tokens; checked against config.json."
     )
 
+    @model_validator(mode="after")
+    def _remote_code_pinned(self) -> TargetConfig:
+        # trust_remote_code runs Python from the model repository; on the hub, without a
+        # pinned revision that is whatever its main branch holds at download time.
+        if self.trust_remote_code and self.revision is None:
+            hub = [p for p in dict.fromkeys((self.path, self.tokenizer)) if p and is_hub_id(p)]
+            if hub:
+                raise ValueError(
+                    f"trust_remote_code is true but revision is not set: {hub[0]!r} is a hub "
+                    "repository, and its code would be taken from whatever its main branch "
+                    "holds when it is downloaded. Pin target.revision to the commit whose code "
+                    "you have reviewed."
+                )
+        return self
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether a model/tokenizer reference names a hub repository rather than a local folder.
+
+    Local: an existing path, or one written as a path (absolute, `./`, `../`, `~`).
+    """
+    if path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists():
+        return False
+    return True
+
 
 DatasetFormat = Literal["sharegpt", "sharegpt_tools", "openai", "alpaca", "ultrachat", "auto"]
 

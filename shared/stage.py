@@ -312,9 +312,16 @@ def run_stage_job(run_id: str, stage: str, shard: int) -> dict[str, int]:
     manifest = execute(st, store, shard)
     job = get_current_job()
     if st.release is not None and job is not None:
+        from redis.exceptions import RedisError
+
         from shared.queue import queue_drained
 
-        if queue_drained(st.queue, job.connection):
+        try:
+            drained = queue_drained(st.queue, job.connection)
+        except RedisError as e:  # the shard is done; keep the memory until the next job
+            log.warning("%s[%d]: queue %s not checked (%s)", stage, shard, st.queue, e)
+            drained = False
+        if drained:
             st.release()
     return dict(manifest.counts)
 

@@ -63,7 +63,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from shared.queue import NON_FORKING_QUEUES, connect, make_worker
+    from shared.errors import ServiceUnavailableError
+    from shared.queue import NON_FORKING_QUEUES, REDIS_DOWN, connect, make_worker
     from shared.stage import warm_queues
 
     conn = connect()
@@ -77,11 +78,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         job_monitoring_interval=args.monitor_interval_s,
         worker_ttl=args.worker_ttl_s,
     )
-    w.work(
-        burst=args.burst,
-        with_scheduler=not args.no_scheduler,
-        logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"),
-    )
+    try:
+        w.work(
+            burst=args.burst,
+            with_scheduler=not args.no_scheduler,
+            logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"),
+        )
+    except REDIS_DOWN as e:  # rq's teardown talks to Redis too
+        raise ServiceUnavailableError(w.gave_up or f"worker {w.name}: lost Redis ({e})") from e
+    if w.gave_up:  # rq's loop logged the error and returned; the exit code must say so
+        raise ServiceUnavailableError(w.gave_up)
     return 0
 
 
@@ -114,9 +120,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    from shared.queue import connect, reconcile
+    from shared.queue import RedisOutage, connect, reconcile
 
-    for jid in reconcile(connect(), stale_after_s=args.stale_after_s):
+    conn = connect()
+    outage = RedisOutage("eyrie reconcile")
+    for jid in outage.call(reconcile, conn, stale_after_s=args.stale_after_s):
         print(f"re-enqueued {jid}")
     return 0
 
@@ -210,6 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except EyrieError as e:
         print(f"eyrie: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from redis.exceptions import ConnectionError, TimeoutError
+
+        if not isinstance(e, ConnectionError | TimeoutError):
+            raise
+        # Redis went away where no retry covers it: one line, not redis-py's traceback.
+        from shared.queue import mask_url, redis_url
+
+        print(f"eyrie: lost Redis at {mask_url(redis_url())}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

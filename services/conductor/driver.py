@@ -23,7 +23,7 @@ from redis import Redis
 from shared.artifacts import RunStore
 from shared.errors import StageFailedError
 from shared.lease import gpu_lease
-from shared.queue import JobSpec, enqueue, failed_reason, reconcile
+from shared.queue import JobSpec, RedisOutage, enqueue, failed_reason, reconcile
 from shared.recipe import Recipe
 from shared.stage import Stage, pipeline
 
@@ -39,31 +39,49 @@ class DriveOptions:
         reconcile_every_s: seconds between reconciler passes.
         stale_after_s: a started job whose worker's heartbeat is older than this is abandoned.
         stop_after: stop after this stage (inclusive); None = run everything.
+        redis_outage_s: how long a Redis outage is ridden out before the run stops with
+            one line; None = `$EYRIE_REDIS_OUTAGE_S` (default 600 s).
     """
 
     poll_s: float = 1.0
     reconcile_every_s: float = 5.0
     stale_after_s: float = 90.0
     stop_after: str | None = None
+    redis_outage_s: float | None = None
+
+
+def _no_lease() -> None:
+    return None
 
 
 @contextlib.contextmanager
 def stage_phase(
-    stage: Stage, store: RunStore, recipe: Recipe, conn: Redis, shards: list[int]
-) -> Iterator[None]:
-    """Hold the GPU lease and the servers `stage` needs while its `shards` run."""
+    stage: Stage,
+    store: RunStore,
+    recipe: Recipe,
+    conn: Redis,
+    shards: list[int],
+    opts: DriveOptions | None = None,
+) -> Iterator[Callable[[], None]]:
+    """Hold the GPU lease and the servers `stage` needs while its `shards` run.
+
+    Yields:
+        a check to call while waiting: it raises `ServiceUnavailableError` once the GPU
+        lease is lost (a no-op for CPU stages).
+    """
     if stage.gpu_phase is None:
-        yield
+        yield _no_lease
         return
     from services.conductor.servers import serving
 
-    with gpu_lease(conn, stage.gpu_phase, store.run_id):
+    outage_s = opts.redis_outage_s if opts is not None else None
+    with gpu_lease(conn, stage.gpu_phase, store.run_id, outage_s=outage_s) as lease:
         modes = stage.servers(recipe, shards)
         if modes:
             with serving(recipe, store, modes):
-                yield
+                yield lease.check
         else:
-            yield
+            yield lease.check
 
 
 def run_stage(
@@ -84,13 +102,13 @@ def run_stage(
     if not todo:
         log.info("stage %s: all %d shard(s) done, skipping", stage.name, len(all_shards))
         return False
+    outage = RedisOutage(f"stage {stage.name} of {store.run_id}", opts.redis_outage_s)
     for group in stage.shard_groups(recipe, todo):
-        with stage_phase(stage, store, recipe, conn, group):
+        with stage_phase(stage, store, recipe, conn, group, opts) as lease_ok:
             for shard in group:
-                enqueue(
-                    JobSpec(stage.queue, store.run_id, stage.name, shard, stage.timeout_s), conn
-                )
-            _wait(stage, store, conn, group, opts, on_tick)
+                spec = JobSpec(stage.queue, store.run_id, stage.name, shard, stage.timeout_s)
+                outage.call(enqueue, spec, conn)
+            _wait(stage, store, conn, group, opts, on_tick, outage, lease_ok)
     return True
 
 
@@ -101,12 +119,13 @@ def _wait(
     shards: list[int],
     opts: DriveOptions,
     on_tick: Callable[[], None] | None,
+    outage: RedisOutage,
+    lease_ok: Callable[[], None],
 ) -> None:
     last_reconcile = 0.0
-    while True:
-        pending = [s for s in shards if not store.is_done(stage.name, s)]
-        if not pending:
-            return
+
+    def check(pending: list[int]) -> None:
+        nonlocal last_reconcile
         for s in pending:
             reason = failed_reason(conn, stage.queue, store.run_id, stage.name, s)
             if reason is not None:
@@ -114,9 +133,17 @@ def _wait(
                     f"stage {stage.name} shard {s} of {store.run_id} failed: {reason}"
                 )
         if time.monotonic() - last_reconcile > opts.reconcile_every_s:
-            last_reconcile = time.monotonic()
             for jid in reconcile(conn, (stage.queue,), opts.stale_after_s):
                 log.warning("re-enqueued abandoned job %s", jid)
+            last_reconcile = time.monotonic()
+
+    while True:
+        pending = [s for s in shards if not store.is_done(stage.name, s)]
+        if not pending:
+            return
+        lease_ok()
+        # Manifests are on disk, so an outage only pauses failure checks and the reconciler.
+        outage.call(check, pending)
         if on_tick:
             on_tick()
         time.sleep(opts.poll_s)

@@ -57,7 +57,10 @@ def free_port() -> int:
 def start_redis_server(
     port: int, folder: Path, log: IO | int = subprocess.DEVNULL, ready_timeout_s: float = 20
 ) -> tuple[subprocess.Popen, str]:
-    """Start a throw-away redis-server on 127.0.0.1:`port` (no persistence) and wait for it.
+    """Start a redis-server on 127.0.0.1:`port`, its data in `folder`, and wait for it.
+
+    It keeps an append-only file (fsync every second), as compose's Redis does: restarted on
+    the same folder, it comes back with its queued jobs.
 
     Returns:
         (process, URL).
@@ -83,7 +86,9 @@ def start_redis_server(
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes",
+            "--appendfsync",
+            "everysec",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -36,6 +36,15 @@ NOT_WIRED: dict[str, str] = {
     "forking; unset, each job loads its own",
 }
 
+#: Secrets, and the Eyrie services that use them (no other container gets them).
+SECRET_USERS: dict[str, set[str]] = {
+    # regen and bench (prep-worker), the extractor's vllm backend, the conductor's readiness
+    # checks and servers; the trainer never calls vLLM.
+    "VLLM_API_KEY": {"prep-worker", "extractor", "conductor"},
+    # every service that loads a tokenizer, config or weights by hub id
+    "HF_TOKEN": {"prep-worker", "extractor", "trainer", "conductor"},
+}
+
 #: Set by Compose itself (the project name), never by .env.
 COMPOSE_BUILTINS = {"COMPOSE_PROJECT_NAME"}
 
@@ -130,9 +139,28 @@ def test_redis_has_password_persistence_and_healthcheck(services):
     cmd = " ".join(redis["command"])
     assert "--requirepass" in cmd and "--appendonly yes" in cmd
     assert redis["environment"]["REDIS_PASSWORD"] == REDIS_PASSWORD
+    assert redis["environment"].keys() == {"REDIS_PASSWORD", "REDISCLI_AUTH"}
     assert mounts(redis)["/data"]["type"] == "volume"
     assert redis["healthcheck"]["test"]
     assert redis.get("restart") == "unless-stopped"
+
+
+def test_redis_runs_as_its_own_user_without_dangerous_commands(services):
+    redis = services["redis"]
+    # `sh -c` bypasses the image's switch to the redis user, so compose sets it.
+    assert redis.get("user") == "redis"
+    cmd = redis["command"][-1]
+    for command in ("CONFIG", "DEBUG", "MODULE"):
+        assert f"--rename-command {command} ''" in cmd
+
+
+def test_secrets_reach_only_the_services_that_use_them(services):
+    for secret, users in SECRET_USERS.items():
+        have = {n for n in eyrie_services(services) if secret in services[n]["environment"]}
+        assert have == users, secret
+    assert services["vllm"]["environment"]["VLLM_API_KEY"] == VLLM_API_KEY
+    assert "EYRIE_REDIS_URL" not in services["vllm"]["environment"]  # vLLM never needs Redis
+    assert services["trainer"]["environment"].get("VLLM_API_KEY") is None
 
 
 def test_missing_secrets_stop_compose_with_a_named_error():
@@ -281,7 +309,7 @@ def test_every_env_var_the_code_reads_is_wired():
         missing += [
             f"{var} (read in {', '.join(sorted(set(read[var])))}) not set for {name}"
             for var in read
-            if var not in env and var not in NOT_WIRED
+            if var not in env and var not in NOT_WIRED and name in SECRET_USERS.get(var, {name})
         ]
     assert not missing, (
         "wire these in docker-compose.yml (x-eyrie-env) or explain them in "
@@ -327,3 +355,10 @@ def test_env_example_documents_every_compose_variable():
     )
     assert used - documented == set(), "add these to .env.example"
     assert documented - used == set(), ".env.example names settings compose never reads"
+
+
+def test_dot_env_with_the_secrets_is_ignored_by_git():
+    r = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT)
+    assert r.returncode == 0, ".env must be in .gitignore: it holds REDIS_PASSWORD and keys"
+    r = subprocess.run(["git", "check-ignore", "-q", ".env.example"], cwd=ROOT)
+    assert r.returncode == 1  # the template stays tracked

@@ -30,3 +30,27 @@ def slow_write(out_dir: str, rows: int, delay_s: float) -> int:
 
 def echo(value):
     return json.dumps(value)
+
+
+def mark_callback(job, connection, *args) -> None:
+    """An rq callback (`on_success`/`on_failure`/`on_stopped`): touches `job.meta["marker"]`."""
+    Path(job.meta["marker"]).write_text(f"callback ran for {job.id}\n")
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.shared.jobfns QUEUE NAME MONITOR_S BURST`: a real rq worker that also
+    runs this module's functions (an `eyrie worker` refuses everything but the stage job)."""
+    from shared.queue import JOB_FUNC, connect, make_worker
+
+    queue, name, monitor_s, burst = argv
+    funcs = frozenset({JOB_FUNC, "tests.shared.jobfns.slow_write", "tests.shared.jobfns.echo"})
+    w = make_worker([queue], connect(), name=name, job_monitoring_interval=int(monitor_s),
+                    job_funcs=funcs)  # fmt: skip
+    w.work(burst=burst == "1", with_scheduler=True, logging_level="INFO")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -12,7 +13,6 @@ import psutil
 import pytest
 from rq.job import JobStatus
 
-from services.conductor.processes import start_worker
 from shared.errors import ConfigError, ServiceUnavailableError
 from shared.queue import JobSpec, connect, enqueue, get_queue, job_id, mask_url, reconcile
 from shared.recipe import resolve_recipe
@@ -61,9 +61,16 @@ def test_non_json_payload_refused_at_enqueue(redis_url):
 def _start_worker(
     redis_url: str, name: str, burst: bool, queue: str = "prep", monitor_interval_s: int = 2
 ) -> subprocess.Popen:
-    env = {**os.environ, "EYRIE_REDIS_URL": redis_url}
-    proc = start_worker([queue], name, env, monitor_interval_s=monitor_interval_s, burst=burst)
-    return proc
+    # A real worker process, allowed to run tests.shared.jobfns as well as the stage job.
+    env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    args = [queue, name, str(monitor_interval_s), "1" if burst else "0"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.shared.jobfns", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

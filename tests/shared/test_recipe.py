@@ -169,3 +169,37 @@ def test_every_field_documented_and_strict():
     for path, sub in subs:
         if sub is not None:
             assert sub.model_config.get("extra") == "forbid", path
+
+
+def _target_recipe(**target) -> dict:
+    return {"name": "remote-code", "target": target, "datasets": [{"path": "/d.jsonl"}]}
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        {"path": "moonshotai/Kimi-K2.5", "trust_remote_code": True},
+        # a local target whose tokenizer comes from the hub runs the hub's code too
+        {"path": "/models/kimi", "tokenizer": "moonshotai/Kimi-K2.5", "trust_remote_code": True},
+    ],
+)
+def test_remote_code_from_the_hub_needs_a_pinned_revision(target):
+    with pytest.raises(ConfigError) as e:
+        resolve_recipe(_target_recipe(**target))
+    msg = str(e.value)
+    assert "trust_remote_code" in msg and "revision" in msg and "moonshotai/Kimi-K2.5" in msg
+    assert "main branch" in msg  # says why
+    pinned = resolve_recipe(_target_recipe(**target, revision="4d01dfe0"))
+    assert pinned.target.revision == "4d01dfe0"
+
+
+def test_remote_code_from_a_local_folder_or_without_remote_code_needs_no_revision(tmp_path):
+    assert resolve_recipe(_target_recipe(path=str(tmp_path), trust_remote_code=True))
+    assert resolve_recipe(_target_recipe(path="./models/x", trust_remote_code=True))
+    assert resolve_recipe(_target_recipe(path="org/model", trust_remote_code=False))
+
+
+def test_shipped_recipes_with_remote_code_pin_a_revision():
+    for path in RECIPES:
+        t = resolve_recipe(path).target
+        assert not t.trust_remote_code or t.revision, path.name
