@@ -26,7 +26,7 @@ class StageFailedError(EyrieError):
 
 
 class InputError(EyrieError):
-    """A dataset row or input file is bad; the message names file, row and field."""
+    """A dataset row or input file is bad; the message names file, row and field. Exit 2."""
 
 
 class ServiceUnavailableError(EyrieError):

@@ -29,17 +29,39 @@ DType = Literal["bfloat16", "float16", "float32"]
 #: Longest recipe name; the run id adds `-` and 8 hex digits of the recipe hash.
 MAX_NAME_CHARS = 64
 
+#: A torch device string the stages accept (`cuda:N` picks one GPU).
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+#: Suffixes of the local data files prep reads (`services.prep.sources`).
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+
+#: How a path shows it means the local disk, not a hub id (`org/name`).
+_LOCAL_PREFIXES = ("/", ".", "~")
+
+
+def looks_local(path: str) -> bool:
+    """True when `path` can only mean a local file or folder, never a hub id.
+
+    An absolute or `./`-relative path, a `~` path, or a name ending in a data-file suffix
+    (`data/chat.jsonl`). Anything else that does not exist on disk is taken for a hub id.
+    """
+    return path.startswith(_LOCAL_PREFIXES) or path.endswith(DATA_SUFFIXES)
+
 
 class Section(BaseModel):
     """Base for every recipe section: strict keys, validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: YAML reads `.inf` and `.nan` as floats, and neither is a usable
+    # learning rate, weight or timeout.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TargetConfig(Section):
     """The target (verifier) model the draft speculates for."""
 
-    path: str = Field(description="Local folder or hub id of the target model. Required.")
+    path: str = Field(
+        min_length=1, description="Local folder or hub id of the target model. Required."
+    )
     revision: str | None = Field(None, description="Hub revision (commit or tag); None = main.")
     dtype: DType = Field("bfloat16", description="dtype the target runs in (extract, serve).")
     trust_remote_code: bool = Field(
@@ -71,7 +93,9 @@ class DatasetSpec(Section):
     """One input dataset: a named preset, or a local/hub path with a format adapter."""
 
     preset: str | None = Field(None, description="Preset name (see `services.prep.presets`).")
-    path: str | None = Field(None, description="Local json/jsonl/parquet/arrow file or hub id.")
+    path: str | None = Field(
+        None, min_length=1, description="Local json/jsonl/parquet/arrow file or hub id."
+    )
     format: DatasetFormat | None = Field(
         None, description="Format adapter; None = the preset's, or 'auto' for paths."
     )
@@ -146,7 +170,9 @@ class ExtractConfig(Section):
         8192, gt=0, description="Token budget per forward batch (halved on OOM)."
     )
     dtype: DType = Field("bfloat16", description="dtype of the stored hidden states.")
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="'auto', 'cpu', 'cuda' or 'cuda:N'."
+    )
     device_map: str | None = Field(
         None, description="transformers device_map (e.g. 'auto') for multi-GPU targets."
     )
@@ -208,7 +234,9 @@ class TrainConfig(Section):
         0.05, ge=0, lt=1, description="Share of samples held out for validation."
     )
     keep_last: int = Field(2, gt=0, description="Per-epoch checkpoints kept (plus the best).")
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="'auto', 'cpu', 'cuda' or 'cuda:N'."
+    )
     step_checkpoint_every: int = Field(
         50,
         ge=0,
@@ -303,6 +331,22 @@ class Recipe(Section):
     )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="vLLM servers.")
 
+    @field_validator("name")
+    @classmethod
+    def _id_friendly(cls, v: str) -> str:
+        if not re.search(r"[A-Za-z0-9]", v):
+            raise ValueError("must contain a letter or digit (the run id is built from it)")
+        return v
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> Recipe:
+        if self.bench.side_by_side and self.serve.port == self.serve.eagle3_port:
+            raise ValueError(
+                f"serve.port and serve.eagle3_port are both {self.serve.port}; with "
+                "bench.side_by_side the baseline and eagle3 servers run at once, one port each"
+            )
+        return self
+
     @field_validator("datasets")
     @classmethod
     def _non_empty(cls, v: list[DatasetSpec]) -> list[DatasetSpec]:
@@ -315,9 +359,9 @@ class Recipe(Section):
     def _three_ids(cls, v: list[int] | str) -> list[int] | str:
         if isinstance(v, list):
             if len(v) != 3:
-                raise ValueError(f"must list exactly 3 aux layer ids (got {len(v)})")
+                raise ValueError(f"must list exactly 3 aux layer ids, not {len(v)}")
             if len(set(v)) != 3:
-                raise ValueError(f"aux layer ids must be distinct (got {v})")
+                raise ValueError("aux layer ids must be distinct")
         return v
 
     def canonical_json(self) -> str:
@@ -386,8 +430,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         msg = msg.replace("Value error, ", "").replace("Input should be", "must be")
-        got = e.get("input")
-        got_s = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {got!r})"
+        got = repr(e.get("input"))
+        if len(got) > 80:  # a 300-character name need not be echoed whole
+            got = f"{got[:60]}... ({len(got)} characters)"
+        quiet = e["type"] in ("extra_forbidden", "missing") or isinstance(e.get("input"), dict)
+        got_s = "" if quiet else f" (got {got})"
         lines.append(f"{_format_loc(loc)}: {msg}{got_s}")
     return f"{source}: invalid recipe\n  " + "\n  ".join(lines)
 
@@ -451,12 +498,7 @@ def resolve_recipe(
     else:
         path = Path(source)
         where = str(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: recipe file not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        data = _read_yaml(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping (got {type(data).__name__})")
     data = apply_overrides(data, overrides or [])
@@ -466,6 +508,47 @@ def resolve_recipe(
         raise ConfigError(format_validation_error(e, where)) from e
     _expand_paths(recipe)
     return recipe
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        what = "a folder, not a file" if path.is_dir() else "not found"
+        raise ConfigError(f"{path}: recipe file {what}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the recipe file ({e.strerror})") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (line {line}, byte {e.start}: {e.reason}); save the "
+            "recipe as UTF-8"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506  # a SafeLoader
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{at}: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
 
 def expand_path(text: str) -> str:

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import ConfigError, InputError
+from shared.errors import InputError
+from shared.preflight import check_dataset_path
 from shared.recipe import DatasetSpec
 from shared.records import DatasetLoad, DataSource, Reader
 
@@ -83,23 +84,15 @@ def resolve_source(spec: DatasetSpec, index: int) -> DataSource:
             split=spec.split or preset.split,
         )
     assert spec.path is not None  # the schema requires exactly one of preset / path
+    check_dataset_path(spec.path, f"datasets[{index}].path")
     path = Path(spec.path)
     if path.exists():
-        if path.is_dir():
-            raise ConfigError(f"datasets[{index}].path: {path} is a folder, not a data file")
         return DataSource(
             name=path.stem,
             adapter=spec.format or "auto",
             reader=_local_reader(path),
             path=str(path),
         )
-    if spec.path.startswith(("/", "./", "../", "~")) or path.suffix in (
-        ".json",
-        ".jsonl",
-        ".parquet",
-        ".arrow",
-    ):
-        raise ConfigError(f"datasets[{index}].path: {spec.path} does not exist")
     return DataSource(
         name=Path(spec.path).name,
         adapter=spec.format or "auto",
