@@ -22,8 +22,8 @@ EXIT_BROKEN_PIPE = 141
 
 #: What to do about an OSError, by errno (the file is added by `describe_input_error`).
 _ERRNO_HINTS = {
-    errno.ENOSPC: "no space left on the device; free space or point EYRIE_DATA at a bigger disk",
-    errno.EDQUOT: "disk quota exceeded; free space or point EYRIE_DATA at a bigger disk",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
     errno.EROFS: "read-only file system",
@@ -92,7 +92,20 @@ def describe_input_error(err: OSError | UnicodeError, recipe: Recipe | None = No
         return f"text could not be encoded or decoded: {err}; rerun with -v to see where"
     what = _ERRNO_HINTS.get(err.errno or 0, err.strerror or type(err).__name__)
     if err.filename is None:
-        return f"{what} ({type(err).__name__})"
+        return f"{what} ({type(err).__name__}, errno {err.errno})"
     name = os.fsdecode(err.filename)
     field = recipe_field_of(recipe, name)
+    if field == "EYRIE_DATA" and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what += "; free space or point EYRIE_DATA at a bigger disk"
     return f"{field + ': ' if field else ''}{name}: {what}"
+
+
+def input_error_exit_code(err: OSError | UnicodeError) -> int:
+    """2 when the operator must fix a file, a path or the disk; 1 for other OS errors.
+
+    An `OSError` naming a file, a full disk and undecodable text are input problems that a
+    retry cannot fix; a socket error without a file is not.
+    """
+    if not isinstance(err, OSError) or err.filename is not None or err.errno in _ERRNO_HINTS:
+        return 2
+    return 1

@@ -112,6 +112,12 @@ class DatasetSpec(Section):
         description="Use the complete rows of a file that is cut off mid-record (else the "
         "plan refuses it, naming the byte offset).",
     )
+    on_bad_bytes: Literal["quarantine", "error"] = Field(
+        "quarantine",
+        description="Rows that are not Unicode text (bytes that are not UTF-8, or a lone "
+        "UTF-16 surrogate escape): 'quarantine' counts them per dataset in the prep report "
+        "and skips them; 'error' fails the prep shard naming the file and byte offset.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -527,8 +533,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> Any:
     if not path.is_file():
-        what = "a folder, not a file" if path.is_dir() else "not found"
-        raise ConfigError(f"{path}: recipe file {what}")
+        what = "is a folder, not a recipe file" if path.is_dir() else "recipe file not found"
+        raise ConfigError(f"{path}: {what}")
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -551,11 +557,11 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
 
-def expand_path(text: str) -> str:
+def expand_path(text: str, field: str | None = None) -> str:
     """Expand `~` and `${VAR}` in a path; `${EYRIE_CACHE}` defaults to ~/.cache/eyrie.
 
     Raises:
-        ConfigError: a referenced variable is not set.
+        ConfigError: a referenced variable is not set; the message starts with `field`.
     """
     env = dict(os.environ)
     env.setdefault("EYRIE_CACHE", str(Path.home() / ".cache" / "eyrie"))
@@ -563,19 +569,20 @@ def expand_path(text: str) -> str:
     def sub(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2)
         if name not in env:
-            raise ConfigError(f"{text}: environment variable {name} is not set")
+            where = f"{field}: " if field else ""
+            raise ConfigError(f"{where}{text}: environment variable {name} is not set")
         return env[name]
 
     return os.path.expanduser(re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, text))
 
 
 def _expand_paths(recipe: Recipe) -> None:
-    recipe.target.path = expand_path(recipe.target.path)
+    recipe.target.path = expand_path(recipe.target.path, "target.path")
     if recipe.target.tokenizer:
-        recipe.target.tokenizer = expand_path(recipe.target.tokenizer)
-    for ds in recipe.datasets:
+        recipe.target.tokenizer = expand_path(recipe.target.tokenizer, "target.tokenizer")
+    for i, ds in enumerate(recipe.datasets):
         if ds.path:
-            ds.path = expand_path(ds.path)
+            ds.path = expand_path(ds.path, f"datasets[{i}].path")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

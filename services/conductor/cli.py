@@ -22,7 +22,12 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from services.conductor import demo, serve_cli
-from shared.cli import EXIT_BROKEN_PIPE, add_recipe_args, describe_input_error
+from shared.cli import (
+    EXIT_BROKEN_PIPE,
+    add_recipe_args,
+    describe_input_error,
+    input_error_exit_code,
+)
 from shared.errors import ConfigError, EyrieError, InputError
 
 #: Entry-point group of the services' `register(subparsers)` functions.
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             f"eyrie: {describe_input_error(e, getattr(args, 'loaded_recipe', None))}",
             file=sys.stderr,
         )
-        return 2 if not isinstance(e, OSError) or e.filename is not None else 1
+        return input_error_exit_code(e)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ prep stage to quarantine and count; nothing is replaced or dropped silently.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,12 +288,30 @@ def read_rows(source: DataSource, ranges: np.ndarray | None, rows: list[int]) ->
     return out
 
 
+#: Reasons of rows whose bytes are not Unicode text; `datasets[].on_bad_bytes` decides.
+BAD_BYTES_REASONS = ("invalid_utf8", "lone_surrogate")
+
+#: A JSON `\uD800`-`\uDFFF` escape: half of a UTF-16 pair, valid only as a pair.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _decode(raw: bytes, offset: int) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return RowError("invalid_utf8", f"byte {offset + e.start}: {e.reason}")
     try:
-        return json.loads(text)
+        row = json.loads(text)
     except json.JSONDecodeError as e:
         return RowError("bad_json", f"byte {offset + e.pos}: {e.msg}")
+    if _SURROGATE_ESCAPE.search(text):
+        # json.loads pairs `\ud83d\ude00` into one character but keeps a lone half, which
+        # no UTF-8 writer accepts later: refuse the row here, where its offset is known.
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = ord(e.object[e.start])
+            return RowError(
+                "lone_surrogate", f"row at byte {offset}: \\u{code:04x} without its UTF-16 pair"
+            )
+    return row
