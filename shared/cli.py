@@ -92,6 +92,8 @@ def describe_input_error(err: OSError | UnicodeError, recipe: Recipe | None = No
         return f"text could not be encoded or decoded: {err}; rerun with -v to see where"
     what = _ERRNO_HINTS.get(err.errno or 0, err.strerror or type(err).__name__)
     if err.filename is None:
+        if err.errno is None:  # raised by a library with a message only
+            return f"{type(err).__name__}: {err}"
         return f"{what} ({type(err).__name__}, errno {err.errno})"
     name = os.fsdecode(err.filename)
     field = recipe_field_of(recipe, name)

@@ -31,3 +31,11 @@ class InputError(EyrieError):
 
 class ServiceUnavailableError(EyrieError):
     """A service Eyrie needs (Redis, a vLLM server) cannot be reached."""
+
+
+class TooManyBadRowsError(StageFailedError, InputError):
+    """A stage quarantined more of its input rows than the recipe allows.
+
+    A stage failure (the shard has no manifest) caused by the data, not by Eyrie: the CLI
+    exits 2, like any other input error, and a retry without new data fails the same way.
+    """

@@ -54,13 +54,54 @@ def check_recipe_inputs(recipe: Recipe) -> list[str]:
         resolve_aux_layer_ids(recipe.layers, layers)
     elif cfg is not None:
         raise ConfigError(f"target.path: {recipe.target.path} config has no num_hidden_layers")
+    hidden = cfg.get("hidden_size") if cfg else recipe.target.hidden_size
+    if recipe.draft.hidden_size is not None and hidden is not None:
+        if recipe.draft.hidden_size != hidden:
+            # the same rule the train stage applies (services.train.draft_model)
+            raise ConfigError(
+                f"draft.hidden_size: EAGLE-3 drafts use the target's hidden size {hidden} "
+                f"(got {recipe.draft.hidden_size}); leave it unset"
+            )
     vocab = cfg.get("vocab_size") if cfg else recipe.target.vocab_size
     if isinstance(vocab, int) and recipe.draft.draft_vocab_size > vocab:
         raise ConfigError(
             f"draft.draft_vocab_size: {recipe.draft.draft_vocab_size} exceeds the target's "
             f"vocab_size {vocab}"
         )
+    tok_dir = Path(tok or recipe.target.path)
+    if tok_dir.is_dir():
+        check_tokenizer_folder(tok_dir, "target.tokenizer" if tok else "target.path")
     return notes
+
+
+#: Files a tokenizer folder may keep its chat template in (transformers 5 writes the .jinja).
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def check_tokenizer_folder(folder: Path, field: str) -> None:
+    """A local tokenizer folder has a tokenizer and a chat template.
+
+    Every stage renders conversations through the chat template (`shared.tokenizer`
+    refuses a tokenizer without one); this finds a folder without it before any work.
+
+    Raises:
+        ConfigError: no `tokenizer.json`/`tokenizer_config.json`, an unreadable
+            `tokenizer_config.json`, or no chat template; the message starts with `field`.
+    """
+    tc = folder / "tokenizer_config.json"
+    if not tc.is_file() and not (folder / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"{field}: {folder} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
+            "set target.tokenizer to a folder that does"
+        )
+    has_template = any((folder / f).is_file() for f in _TEMPLATE_FILES)
+    if tc.is_file():
+        has_template = has_template or bool(read_config_file(tc, field).get("chat_template"))
+    if not has_template:
+        raise ConfigError(
+            f"{field}: {folder} has no chat template (tokenizer_config.json 'chat_template' or "
+            "chat_template.jinja); set target.tokenizer to a folder whose tokenizer has one"
+        )
 
 
 def check_dataset_path(path: str, field: str) -> None:
@@ -77,6 +118,7 @@ def check_dataset_path(path: str, field: str) -> None:
     if not p.exists():
         if looks_local(path):
             raise ConfigError(f"{field}: {path} does not exist")
+        _check_hub_id(path, field)
         return
     if p.is_dir():
         raise ConfigError(f"{field}: {path} is a folder, not a data file")
@@ -86,6 +128,18 @@ def check_dataset_path(path: str, field: str) -> None:
         )
     if not os.access(p, os.R_OK):
         raise ConfigError(f"{field}: {path} is not readable (permission denied)")
+
+
+def _check_hub_id(repo_id: str, field: str) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ConfigError(
+            f"{field}: {repo_id!r} is neither an existing file nor a valid hub id ({e})"
+        ) from None
 
 
 def _target_config(recipe: Recipe) -> tuple[dict[str, Any] | None, list[str]]:

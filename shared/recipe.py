@@ -133,7 +133,7 @@ class PrepConfig(Section):
     max_samples: int | None = Field(
         None, gt=0, description="Cap on the whole mix (split by dataset weight); None = no cap."
     )
-    seed: int = Field(0, description="Seed for sampling and shuffling.")
+    seed: int = Field(0, ge=0, description="Seed for sampling and shuffling (numpy: >= 0).")
     min_kept_fraction: float = Field(
         0.5, ge=0, le=1, description="A prep shard fails if it keeps fewer than this share of rows."
     )
@@ -235,7 +235,7 @@ class TrainConfig(Section):
     tokens_per_step: int = Field(
         8192, gt=0, description="Packed tokens per optimizer step (per process)."
     )
-    seed: int = Field(0, description="Seed for init, data order and noise.")
+    seed: int = Field(0, ge=0, description="Seed for init, data order and noise (>= 0).")
     val_fraction: float = Field(
         0.05, ge=0, lt=1, description="Share of samples held out for validation."
     )
@@ -533,8 +533,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> Any:
     if not path.is_file():
-        what = "is a folder, not a recipe file" if path.is_dir() else "recipe file not found"
-        raise ConfigError(f"{path}: {what}")
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a folder, not a recipe file")
+        if path.exists():  # /dev/zero, a FIFO: reading it could block or never end
+            raise ConfigError(f"{path}: not a regular file")
+        raise ConfigError(f"{path}: recipe file not found")
     try:
         raw = path.read_bytes()
     except OSError as e:

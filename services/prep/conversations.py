@@ -16,7 +16,7 @@ from typing import Any
 
 from services.prep.formats import ADAPTERS, RowRejected, normalize
 from services.prep.sources import BAD_BYTES_REASONS, RowError, read_rows
-from shared.errors import InputError, StageFailedError
+from shared.errors import InputError, TooManyBadRowsError
 from shared.records import Conversation, PrepReport, QuarantinedRow
 from shared.stage import HOUR_S, PER_PLAN_SHARD, ShardResult, StageContext, stage
 
@@ -57,7 +57,8 @@ def prep_stage(ctx: StageContext) -> ShardResult:
     """Adapt and validate one shard of planned rows into canonical conversations.
 
     Raises:
-        StageFailedError: the kept share is below `prep.min_kept_fraction`.
+        TooManyBadRowsError: the kept share is below `prep.min_kept_fraction`.
+        InputError: a row is not Unicode text and its dataset says `on_bad_bytes: error`.
     """
     plan = ctx.store.plan.read()
     cfg = ctx.recipe.prep
@@ -109,9 +110,10 @@ def prep_stage(ctx: StageContext) -> ShardResult:
     )
     files = ctx.store.prep.write(ctx.shard, kept, quarantined, report)
     if rows and len(kept) / len(rows) < cfg.min_kept_fraction:
-        raise StageFailedError(
+        raise TooManyBadRowsError(
             f"prep shard {ctx.shard}: kept {len(kept)}/{len(rows)} rows, below "
-            f"prep.min_kept_fraction={cfg.min_kept_fraction}; reasons: {report.skipped} "
+            f"prep.min_kept_fraction={cfg.min_kept_fraction}; reasons by dataset: "
+            f"{report.skipped_by_source} "
             f"(rows in {ctx.store.prep.quarantine_path(ctx.shard)}). Fix the data or lower "
             "the threshold."
         )

@@ -232,10 +232,18 @@ def _hf_dataset(source: DataSource) -> Any:
     import datasets
 
     p = Path(source.path)
-    if p.suffix == ".parquet":
-        return datasets.load_dataset("parquet", data_files=str(p), split="train")
-    if p.suffix == ".arrow":
-        return datasets.Dataset.from_file(str(p))
+    if p.suffix in (".parquet", ".arrow"):
+        try:
+            if p.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                pq.ParquetFile(p).close()  # a bad footer fails here, before datasets logs it
+                return datasets.load_dataset("parquet", data_files=str(p), split="train")
+            return datasets.Dataset.from_file(str(p))
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a bad file
+            raise InputError(
+                f"{p}: not a readable {p.suffix[1:]} file ({type(e).__name__}: {e})"
+            ) from e
     try:
         return datasets.load_dataset(source.path, source.config_name, split=source.split or "train")
     except Exception as e:  # the hub client raises many kinds; say which dataset failed

@@ -139,6 +139,11 @@ OVERRIDES: list[tuple[str, list[str], str]] = [
     ("target-missing", ["target.path=/no/such/model"], "target.path: model folder /no/such"),
     ("tokenizer-missing", ["target.tokenizer=./no-tokenizer"], "target.tokenizer: tokenizer"),
     ("draft-vocab-too-big", ["draft.draft_vocab_size=10000000"], "draft.draft_vocab_size"),
+    ("draft-hidden-size", ["draft.hidden_size=128"], "draft.hidden_size: EAGLE-3 drafts use"),
+    ("prep-seed-negative", ["prep.seed=-1"], "prep.seed: must be greater than or equal to 0"),
+    ("train-seed-negative", ["train.seed=-5"], "train.seed: must be greater than or equal to 0"),
+    ("hub-id-malformed", ["datasets.0.path=a b c"], "datasets[0].path: 'a b c' is neither"),
+    ("dataset-gz", ["datasets.0.path=/no/such/chat.json.gz"], "datasets[0].path: /no/such"),
 ]
 
 
@@ -185,6 +190,20 @@ def bad_recipe_duplicate_key(w: World):
     return ["recipe", "check", str(p)], f"{p}: not valid YAML (line {line}, column 1): " + (
         "duplicate key 'train'"
     )
+
+
+@case
+def bad_recipe_python_tag(w: World):
+    marker = w.tmp / "ran"
+    text = f'name: !!python/object/apply:os.system ["touch {marker}"]\n'
+    p = w.data_file("tag.yaml", text.encode())
+    w.env["_MARKER"] = str(marker)  # test_bad_input checks that nothing ran
+    return ["recipe", "check", str(p)], f"{p}: not valid YAML (line 1, column 7)"
+
+
+@case
+def bad_recipe_not_regular_file(w: World):
+    return ["recipe", "check", "/dev/zero"], "/dev/zero: not a regular file"
 
 
 @case
@@ -255,6 +274,25 @@ def bad_target_config_not_utf8(w: World):
 
 
 @case
+def bad_target_without_tokenizer(w: World):
+    t = w.target_copy()  # config.json only
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"target.path={t}"]
+    return argv, f"target.path: {t} holds no tokenizer"
+
+
+@case
+def bad_tokenizer_without_chat_template(w: World):
+    t = w.tmp / "tok"
+    t.mkdir()
+    cfg = json.loads((w.model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)  # SmolLM2's template lives in chat_template.jinja
+    (t / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (t / "tokenizer.json").write_bytes((w.model / "tokenizer.json").read_bytes())
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"target.tokenizer={t}"]
+    return argv, f"target.tokenizer: {t} has no chat template"
+
+
+@case
 def bad_dataset_is_folder(w: World):
     argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={w.tmp}"]
     return argv, f"datasets[0].path: {w.tmp} is a folder, not a data file"
@@ -310,6 +348,32 @@ def bad_stage_lone_surrogate_policy_error(w: World):
     ds = [{"path": str(p), "on_bad_bytes": "error"}]
     argv = ["stage", "prep", str(w.recipe_file(datasets=ds)), "--shard", "0"]
     return argv, "row 0: not Unicode text (lone_surrogate"
+
+
+@case
+def bad_stage_parquet_not_parquet(w: World):
+    p = w.data_file("chat.parquet", b"PAR1 this is not a parquet file")
+    argv = ["stage", "plan", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"{p}: not a readable parquet file (ArrowInvalid"
+
+
+@case
+def bad_stage_arrow_not_arrow(w: World):
+    p = w.data_file("chat.arrow", b"not an arrow stream at all")
+    argv = ["stage", "plan", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"{p}: not a readable arrow file"
+
+
+@case
+def bad_stage_mostly_bad_rows(w: World):
+    rows = [b"{not json", b'{"conversations": []}', _rows(1)[0]]
+    p = w.data_file("mostly-bad.jsonl", b"\n".join(rows) + b"\n")
+    ds = [{"path": str(p), "format": "sharegpt"}]
+    argv = ["stage", "prep", str(w.recipe_file(datasets=ds)), "--shard", "0"]
+    return (
+        argv,
+        "kept 1/3 rows, below prep.min_kept_fraction=0.5; reasons by dataset: {'mostly-bad'",
+    )
 
 
 @case
@@ -372,6 +436,8 @@ def test_bad_input(world, capsys, monkeypatch, name):
     for k, v in world.env.items():
         monkeypatch.setenv(k, v)
     _assert_clean_exit_2(argv, expected, capsys)
+    if "_MARKER" in world.env:
+        assert not Path(world.env["_MARKER"]).exists()
 
 
 def test_table_has_at_least_40_bad_inputs():
