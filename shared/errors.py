@@ -26,8 +26,16 @@ class StageFailedError(EyrieError):
 
 
 class InputError(EyrieError):
-    """A dataset row or input file is bad; the message names file, row and field."""
+    """A dataset row or input file is bad; the message names file, row and field. Exit 2."""
 
 
 class ServiceUnavailableError(EyrieError):
     """A service Eyrie needs (Redis, a vLLM server) cannot be reached."""
+
+
+class TooManyBadRowsError(StageFailedError, InputError):
+    """A stage quarantined more of its input rows than the recipe allows.
+
+    A stage failure (the shard has no manifest) caused by the data, not by Eyrie: the CLI
+    exits 2, like any other input error, and a retry without new data fails the same way.
+    """

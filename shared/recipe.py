@@ -29,17 +29,39 @@ DType = Literal["bfloat16", "float16", "float32"]
 #: Longest recipe name; the run id adds `-` and 8 hex digits of the recipe hash.
 MAX_NAME_CHARS = 64
 
+#: A torch device string the stages accept (`cuda:N` picks one GPU).
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+#: Suffixes of the local data files prep reads (`services.prep.sources`).
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+
+#: How a path shows it means the local disk, not a hub id (`org/name`).
+_LOCAL_PREFIXES = ("/", ".", "~")
+
+
+def looks_local(path: str) -> bool:
+    """True when `path` can only mean a local file or folder, never a hub id.
+
+    An absolute or `./`-relative path, a `~` path, or a name ending in a data-file suffix
+    (`data/chat.jsonl`). Anything else that does not exist on disk is taken for a hub id.
+    """
+    return path.startswith(_LOCAL_PREFIXES) or path.endswith(DATA_SUFFIXES)
+
 
 class Section(BaseModel):
     """Base for every recipe section: strict keys, validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: YAML reads `.inf` and `.nan` as floats, and neither is a usable
+    # learning rate, weight or timeout.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TargetConfig(Section):
     """The target (verifier) model the draft speculates for."""
 
-    path: str = Field(description="Local folder or hub id of the target model. Required.")
+    path: str = Field(
+        min_length=1, description="Local folder or hub id of the target model. Required."
+    )
     revision: str | None = Field(None, description="Hub revision (commit or tag); None = main.")
     dtype: DType = Field("bfloat16", description="dtype the target runs in (extract, serve).")
     trust_remote_code: bool = Field(
@@ -96,7 +118,9 @@ class DatasetSpec(Section):
     """One input dataset: a named preset, or a local/hub path with a format adapter."""
 
     preset: str | None = Field(None, description="Preset name (see `services.prep.presets`).")
-    path: str | None = Field(None, description="Local json/jsonl/parquet/arrow file or hub id.")
+    path: str | None = Field(
+        None, min_length=1, description="Local json/jsonl/parquet/arrow file or hub id."
+    )
     format: DatasetFormat | None = Field(
         None, description="Format adapter; None = the preset's, or 'auto' for paths."
     )
@@ -113,6 +137,12 @@ class DatasetSpec(Section):
         description="Use the complete rows of a file that is cut off mid-record (else the "
         "plan refuses it, naming the byte offset).",
     )
+    on_bad_bytes: Literal["quarantine", "error"] = Field(
+        "quarantine",
+        description="Rows that are not Unicode text (bytes that are not UTF-8, or a lone "
+        "UTF-16 surrogate escape): 'quarantine' counts them per dataset in the prep report "
+        "and skips them; 'error' fails the prep shard naming the file and byte offset.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -128,7 +158,7 @@ class PrepConfig(Section):
     max_samples: int | None = Field(
         None, gt=0, description="Cap on the whole mix (split by dataset weight); None = no cap."
     )
-    seed: int = Field(0, description="Seed for sampling and shuffling.")
+    seed: int = Field(0, ge=0, description="Seed for sampling and shuffling (numpy: >= 0).")
     min_kept_fraction: float = Field(
         0.5, ge=0, le=1, description="A prep shard fails if it keeps fewer than this share of rows."
     )
@@ -171,7 +201,9 @@ class ExtractConfig(Section):
         8192, gt=0, description="Token budget per forward batch (halved on OOM)."
     )
     dtype: DType = Field("bfloat16", description="dtype of the stored hidden states.")
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="'auto', 'cpu', 'cuda' or 'cuda:N'."
+    )
     device_map: str | None = Field(
         None, description="transformers device_map (e.g. 'auto') for multi-GPU targets."
     )
@@ -228,12 +260,14 @@ class TrainConfig(Section):
     tokens_per_step: int = Field(
         8192, gt=0, description="Packed tokens per optimizer step (per process)."
     )
-    seed: int = Field(0, description="Seed for init, data order and noise.")
+    seed: int = Field(0, ge=0, description="Seed for init, data order and noise (>= 0).")
     val_fraction: float = Field(
         0.05, ge=0, lt=1, description="Share of samples held out for validation."
     )
     keep_last: int = Field(2, gt=0, description="Per-epoch checkpoints kept (plus the best).")
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="'auto', 'cpu', 'cuda' or 'cuda:N'."
+    )
     step_checkpoint_every: int = Field(
         50,
         ge=0,
@@ -328,6 +362,22 @@ class Recipe(Section):
     )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="vLLM servers.")
 
+    @field_validator("name")
+    @classmethod
+    def _id_friendly(cls, v: str) -> str:
+        if not re.search(r"[A-Za-z0-9]", v):
+            raise ValueError("must contain a letter or digit (the run id is built from it)")
+        return v
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> Recipe:
+        if self.bench.side_by_side and self.serve.port == self.serve.eagle3_port:
+            raise ValueError(
+                f"serve.port and serve.eagle3_port are both {self.serve.port}; with "
+                "bench.side_by_side the baseline and eagle3 servers run at once, one port each"
+            )
+        return self
+
     @field_validator("datasets")
     @classmethod
     def _non_empty(cls, v: list[DatasetSpec]) -> list[DatasetSpec]:
@@ -340,9 +390,9 @@ class Recipe(Section):
     def _three_ids(cls, v: list[int] | str) -> list[int] | str:
         if isinstance(v, list):
             if len(v) != 3:
-                raise ValueError(f"must list exactly 3 aux layer ids (got {len(v)})")
+                raise ValueError(f"must list exactly 3 aux layer ids, not {len(v)}")
             if len(set(v)) != 3:
-                raise ValueError(f"aux layer ids must be distinct (got {v})")
+                raise ValueError("aux layer ids must be distinct")
         return v
 
     def canonical_json(self) -> str:
@@ -411,8 +461,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         msg = msg.replace("Value error, ", "").replace("Input should be", "must be")
-        got = e.get("input")
-        got_s = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {got!r})"
+        got = repr(e.get("input"))
+        if len(got) > 80:  # a 300-character name need not be echoed whole
+            got = f"{got[:60]}... ({len(got)} characters)"
+        quiet = e["type"] in ("extra_forbidden", "missing") or isinstance(e.get("input"), dict)
+        got_s = "" if quiet else f" (got {got})"
         lines.append(f"{_format_loc(loc)}: {msg}{got_s}")
     return f"{source}: invalid recipe\n  " + "\n  ".join(lines)
 
@@ -476,12 +529,7 @@ def resolve_recipe(
     else:
         path = Path(source)
         where = str(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: recipe file not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        data = _read_yaml(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping (got {type(data).__name__})")
     data = apply_overrides(data, overrides or [])
@@ -493,11 +541,55 @@ def resolve_recipe(
     return recipe
 
 
-def expand_path(text: str) -> str:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a folder, not a recipe file")
+        if path.exists():  # /dev/zero, a FIFO: reading it could block or never end
+            raise ConfigError(f"{path}: not a regular file")
+        raise ConfigError(f"{path}: recipe file not found")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the recipe file ({e.strerror})") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (line {line}, byte {e.start}: {e.reason}); save the "
+            "recipe as UTF-8"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506  # a SafeLoader
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{at}: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+def expand_path(text: str, field: str | None = None) -> str:
     """Expand `~` and `${VAR}` in a path; `${EYRIE_CACHE}` defaults to ~/.cache/eyrie.
 
     Raises:
-        ConfigError: a referenced variable is not set.
+        ConfigError: a referenced variable is not set; the message starts with `field`.
     """
     env = dict(os.environ)
     env.setdefault("EYRIE_CACHE", str(Path.home() / ".cache" / "eyrie"))
@@ -505,19 +597,20 @@ def expand_path(text: str) -> str:
     def sub(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2)
         if name not in env:
-            raise ConfigError(f"{text}: environment variable {name} is not set")
+            where = f"{field}: " if field else ""
+            raise ConfigError(f"{where}{text}: environment variable {name} is not set")
         return env[name]
 
     return os.path.expanduser(re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, text))
 
 
 def _expand_paths(recipe: Recipe) -> None:
-    recipe.target.path = expand_path(recipe.target.path)
+    recipe.target.path = expand_path(recipe.target.path, "target.path")
     if recipe.target.tokenizer:
-        recipe.target.tokenizer = expand_path(recipe.target.tokenizer)
-    for ds in recipe.datasets:
+        recipe.target.tokenizer = expand_path(recipe.target.tokenizer, "target.tokenizer")
+    for i, ds in enumerate(recipe.datasets):
         if ds.path:
-            ds.path = expand_path(ds.path)
+            ds.path = expand_path(ds.path, f"datasets[{i}].path")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -175,6 +175,9 @@ class PrepReport(Record):
     kept: int
     skipped: dict[str, int]
     realigned: dict[str, int]
+    skipped_by_source: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="source dataset name -> skip reason -> rows"
+    )
 
 
 class DedupReport(Record):

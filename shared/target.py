@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-from shared.recipe import Recipe
-
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
+from shared.recipe import Recipe, looks_local
 
 
 def target_config(recipe: Recipe) -> dict[str, Any]:
@@ -33,8 +31,8 @@ def target_config(recipe: Recipe) -> dict[str, Any]:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ConfigError(f"target.path: {path} has no config.json (not an HF model folder)")
-        cfg = json.loads(cfg_file.read_text())
-    elif t.path.startswith(_LOCAL_PREFIXES) or path.exists():
+        cfg = read_config_file(cfg_file)
+    elif looks_local(t.path) or path.exists():
         raise ConfigError(
             f"target.path: model folder {t.path} does not exist "
             "(for the CPU demo, scripts/setup converts SmolLM2 into $EYRIE_CACHE/models)"
@@ -42,7 +40,29 @@ def target_config(recipe: Recipe) -> dict[str, Any]:
     else:
         cfg = _hub_config(recipe)
     cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-    _check_expected(recipe, cfg)
+    check_expected(recipe, cfg)
+    return cfg
+
+
+def read_config_file(path: Path, field: str = "target.path") -> dict[str, Any]:
+    """A model's `config.json` as a dict.
+
+    Raises:
+        ConfigError: it cannot be read, is not UTF-8 JSON, or is not a JSON object; the
+            message names the file and the recipe `field` that points at it.
+    """
+    try:
+        cfg = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot read {path} ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{field}: {path} is not UTF-8 (byte {e.start}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{field}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{field}: {path} must hold a JSON object (got {type(cfg).__name__})")
     return cfg
 
 
@@ -61,7 +81,12 @@ def _hub_config(recipe: Recipe) -> dict[str, Any]:
         ) from e
 
 
-def _check_expected(recipe: Recipe, cfg: dict[str, Any]) -> None:
+def check_expected(recipe: Recipe, cfg: dict[str, Any]) -> None:
+    """The target config `cfg` matches the sizes the recipe expects, where it gives them.
+
+    Raises:
+        ConfigError: `target.num_hidden_layers`, `hidden_size` or `vocab_size` disagrees.
+    """
     t = recipe.target
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         want = getattr(t, key)

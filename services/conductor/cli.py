@@ -4,7 +4,9 @@ The conductor owns the commands that drive runs, workers and servers; each servi
 its own through the `eyrie.commands` entry points (pyproject.toml), so this module imports
 no other service. `eyrie --help` must not import torch, transformers or vLLM: heavy imports
 live inside the command functions (a test checks the import boundary). Only this module
-turns an `EyrieError` into an exit code: 2 for configuration errors, 1 for the rest.
+turns an `EyrieError` into an exit code: 2 for configuration and input errors, 1 for
+the rest; an `OSError` naming a file or a `UnicodeError` becomes one line and exit 2, a
+closed stdout (`| head -1`) exit 141.
 """
 
 from __future__ import annotations
@@ -20,23 +22,34 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from services.conductor import demo, serve_cli
-from shared.cli import add_recipe_args
-from shared.errors import ConfigError, EyrieError
+from shared.cli import (
+    EXIT_BROKEN_PIPE,
+    add_recipe_args,
+    describe_input_error,
+    input_error_exit_code,
+)
+from shared.errors import ConfigError, EyrieError, InputError
 
 #: Entry-point group of the services' `register(subparsers)` functions.
 COMMANDS_GROUP = "eyrie.commands"
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, check_inputs: bool = False):
+    from shared.preflight import check_recipe_inputs
     from shared.recipe import resolve_recipe
 
-    return resolve_recipe(args.recipe, args.override)
+    recipe = resolve_recipe(args.recipe, args.override)
+    args.loaded_recipe = recipe  # lets main() name the recipe field of a failing file
+    if check_inputs:
+        for note in check_recipe_inputs(recipe):
+            print(f"eyrie: note: {note}", file=sys.stderr)
+    return recipe
 
 
 def cmd_recipe_check(args: argparse.Namespace) -> int:
     from shared.recipe import recipe_to_yaml
 
-    recipe = _load(args)
+    recipe = _load(args, check_inputs=True)
     print(f"# run id: {recipe.run_id()}")
     print(recipe_to_yaml(recipe), end="")
     return 0
@@ -47,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shared.artifacts import RunStore
     from shared.queue import connect
 
-    recipe = _load(args)
+    recipe = _load(args, check_inputs=True)
     conn = connect()
     store = RunStore.create(recipe, command=" ".join(sys.argv))
     print(f"run {store.run_id} at {store.root}", flush=True)
@@ -212,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "worker":  # rq workers handle SIGTERM themselves (warm shutdown)
         signal.signal(signal.SIGTERM, _terminate)
     try:
-        return func(args)
-    except ConfigError as e:
+        code = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except (ConfigError, InputError) as e:
         print(f"eyrie: {e}", file=sys.stderr)
         return 2
     except EyrieError as e:
@@ -231,6 +246,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`eyrie recipe check r.yaml | head -1`). Point
+        # stdout at /dev/null so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("eyrie: output cut short: stdout was closed by its reader", file=sys.stderr)
+        return EXIT_BROKEN_PIPE
+    except (OSError, UnicodeError) as e:
+        if args.verbose:
+            raise
+        print(
+            f"eyrie: {describe_input_error(e, getattr(args, 'loaded_recipe', None))}",
+            file=sys.stderr,
+        )
+        return input_error_exit_code(e)
 
 
 if __name__ == "__main__":

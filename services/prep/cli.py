@@ -32,6 +32,9 @@ def cmd_prep_stats(args: argparse.Namespace) -> int:
             f"  {src}: {d['samples']} samples, {d['tokens']} tokens, "
             f"{d['assistant_tokens']} assistant tokens"
         )
+    for src, reasons in sorted(stats["skipped_by_source"].items()):
+        shown = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
+        print(f"  {src}: skipped in prep: {shown}")
     return 0
 
 

@@ -20,13 +20,15 @@ prep stage to quarantine and count; nothing is replaced or dropped silently.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shared.errors import ConfigError, InputError
+from shared.errors import InputError
+from shared.preflight import check_dataset_path
 from shared.recipe import DatasetSpec
 from shared.records import DatasetLoad, DataSource, Reader
 
@@ -83,23 +85,15 @@ def resolve_source(spec: DatasetSpec, index: int) -> DataSource:
             split=spec.split or preset.split,
         )
     assert spec.path is not None  # the schema requires exactly one of preset / path
+    check_dataset_path(spec.path, f"datasets[{index}].path")
     path = Path(spec.path)
     if path.exists():
-        if path.is_dir():
-            raise ConfigError(f"datasets[{index}].path: {path} is a folder, not a data file")
         return DataSource(
             name=path.stem,
             adapter=spec.format or "auto",
             reader=_local_reader(path),
             path=str(path),
         )
-    if spec.path.startswith(("/", "./", "../", "~")) or path.suffix in (
-        ".json",
-        ".jsonl",
-        ".parquet",
-        ".arrow",
-    ):
-        raise ConfigError(f"datasets[{index}].path: {spec.path} does not exist")
     return DataSource(
         name=Path(spec.path).name,
         adapter=spec.format or "auto",
@@ -238,10 +232,18 @@ def _hf_dataset(source: DataSource) -> Any:
     import datasets
 
     p = Path(source.path)
-    if p.suffix == ".parquet":
-        return datasets.load_dataset("parquet", data_files=str(p), split="train")
-    if p.suffix == ".arrow":
-        return datasets.Dataset.from_file(str(p))
+    if p.suffix in (".parquet", ".arrow"):
+        try:
+            if p.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                pq.ParquetFile(p).close()  # a bad footer fails here, before datasets logs it
+                return datasets.load_dataset("parquet", data_files=str(p), split="train")
+            return datasets.Dataset.from_file(str(p))
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a bad file
+            raise InputError(
+                f"{p}: not a readable {p.suffix[1:]} file ({type(e).__name__}: {e})"
+            ) from e
     try:
         return datasets.load_dataset(source.path, source.config_name, split=source.split or "train")
     except Exception as e:  # the hub client raises many kinds; say which dataset failed
@@ -294,12 +296,30 @@ def read_rows(source: DataSource, ranges: np.ndarray | None, rows: list[int]) ->
     return out
 
 
+#: Reasons of rows whose bytes are not Unicode text; `datasets[].on_bad_bytes` decides.
+BAD_BYTES_REASONS = ("invalid_utf8", "lone_surrogate")
+
+#: A JSON `\uD800`-`\uDFFF` escape: half of a UTF-16 pair, valid only as a pair.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _decode(raw: bytes, offset: int) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return RowError("invalid_utf8", f"byte {offset + e.start}: {e.reason}")
     try:
-        return json.loads(text)
+        row = json.loads(text)
     except json.JSONDecodeError as e:
         return RowError("bad_json", f"byte {offset + e.pos}: {e.msg}")
+    if _SURROGATE_ESCAPE.search(text):
+        # json.loads pairs `\ud83d\ude00` into one character but keeps a lone half, which
+        # no UTF-8 writer accepts later: refuse the row here, where its offset is known.
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = ord(e.object[e.start])
+            return RowError(
+                "lone_surrogate", f"row at byte {offset}: \\u{code:04x} without its UTF-16 pair"
+            )
+    return row

@@ -206,8 +206,23 @@ def tokenize_stage(ctx: StageContext) -> ShardResult:
 
 
 def run_stats(store: Any) -> dict[str, Any]:
-    """Run-level totals over every finished tokenize shard, per source dataset too."""
-    total: dict[str, Any] = {"samples": 0, "tokens": 0, "assistant_tokens": 0, "per_source": {}}
+    """Run-level totals over every finished tokenize shard, per source dataset too.
+
+    `skipped_by_source` adds up the prep shards' skip reasons per source dataset (rows
+    quarantined by prep: not UTF-8, bad JSON, no assistant turn, ...).
+    """
+    total: dict[str, Any] = {
+        "samples": 0,
+        "tokens": 0,
+        "assistant_tokens": 0,
+        "per_source": {},
+        "skipped_by_source": {},
+    }
+    for m in store.manifests("prep"):
+        for src, reasons in m.extra.get("report", {}).get("skipped_by_source", {}).items():
+            agg = total["skipped_by_source"].setdefault(src, {})
+            for reason, n in reasons.items():
+                agg[reason] = agg.get(reason, 0) + n
     for m in store.manifests("tokenize"):
         for k in ("samples", "tokens", "assistant_tokens"):
             total[k] += m.counts.get(k, 0)

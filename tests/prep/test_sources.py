@@ -334,7 +334,7 @@ def test_source_kinds(tmp_path):
     )
     csv = tmp_path / "d.csv"
     csv.write_text("a,b\n")
-    with pytest.raises(InputError, match=r"unsupported file type '\.csv'"):
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.path: .*unsupported file type '\.csv'"):
         resolve_source(DatasetSpec(path=str(csv)), 0)
     with pytest.raises(ConfigError, match=r"datasets\[2\]\.path: .*nope\.jsonl does not exist"):
         resolve_source(DatasetSpec(path=str(tmp_path / "nope.jsonl")), 2)
