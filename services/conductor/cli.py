@@ -234,16 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     except EyrieError as e:
         print(f"eyrie: {e}", file=sys.stderr)
         return 1
-    except Exception as e:
-        from redis.exceptions import ConnectionError, TimeoutError
-
-        if not isinstance(e, ConnectionError | TimeoutError):
-            raise
-        # Redis went away where no retry covers it: one line, not redis-py's traceback.
-        from shared.queue import mask_url, redis_url
-
-        print(f"eyrie: lost Redis at {mask_url(redis_url())}: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -260,6 +250,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return input_error_exit_code(e)
+    except Exception as e:
+        from redis.exceptions import ConnectionError, TimeoutError
+
+        if not isinstance(e, ConnectionError | TimeoutError):
+            raise
+        # Redis went away where no retry covers it: one line, not redis-py's traceback.
+        from shared.queue import mask_url, redis_url
+
+        print(f"eyrie: lost Redis at {mask_url(redis_url())}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
