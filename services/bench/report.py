@@ -9,7 +9,8 @@ temperature (every concurrency's deltas summed) is kept for the acceptance plot.
 report.json layout: `{"run_id", "target", "k", "prompt_set", "num_prompts", "max_tokens",
 "rows": [Row], "tau": {"<T>": pooled τ}, "acceptance_rate": {"<T>": r},
 "per_position_rate": {"<T>": [k floats]}, "checks": [Check], "offline": {"tau", "epoch"} |
-None, "k_plans": [Plan], "flags": [Flag]}` (Check: `diagnosis.export_checks`; Plan:
+None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None}` (regen: the regen
+manifests' counts summed, added by the report stage) (Check: `diagnosis.export_checks`; Plan:
 `kchoice.k_plan`, one per row with counters; Flag: `diagnosis.flags_for`).
 """
 
@@ -166,7 +167,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"(epoch {off.get('epoch', '?')}).",
             "",
         ]
-    lines += _k_lines(report)
+    lines += _k_lines(report) + _regen_lines(report.get("regen"))
     checks = report.get("checks") or []
     if checks:
         lines.append(
@@ -182,6 +183,28 @@ def to_markdown(report: dict[str, Any]) -> str:
     if not report["flags"]:
         lines.append("No flags: τ and speedup are above their thresholds.")
     return "\n".join(lines) + "\n"
+
+
+def _regen_lines(counts: dict[str, int] | None) -> list[str]:
+    """One line on the regenerated training data: kept, quarantined by reason, redrawn."""
+    if not counts:
+        return []
+    quarantined = ", ".join(
+        f"{k.split(':', 1)[1]} {v}"
+        for k, v in counts.items()
+        if k.startswith(("skipped:", "error:")) and v
+    )
+    stopped = ", ".join(
+        f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if k.startswith("stopped:") and v
+    )
+    return [
+        f"Regenerated data: {counts.get('input', 0)} conversations, {counts.get('success', 0)} "
+        f"kept ({counts.get('turns', 0)} answers, {counts.get('completion_tokens', 0)} tokens); "
+        f"not kept: {quarantined or 'none'}; stopped early: {stopped or 'none'}; redrawn "
+        f"answers: {counts.get('resampled', 0)}; kept answers cut at max_tokens: "
+        f"{counts.get('finish_length', 0)}.",
+        "",
+    ]
 
 
 def _k_lines(report: dict[str, Any]) -> list[str]:

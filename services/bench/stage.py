@@ -147,6 +147,22 @@ def offline_tau(store: RunStore) -> dict[str, Any] | None:
     return {"tau": best.get("tau"), "epoch": best.get("epoch")} if best else None
 
 
+def regen_counts(store: RunStore) -> dict[str, int] | None:
+    """The regen manifests' counts summed over shards; None when the run did not regenerate.
+
+    Rows kept, quarantined by reason, stopped early, answers redrawn and cut at max_tokens.
+    """
+    manifests = store.manifests("regen")
+    if not manifests:
+        return None
+    total: dict[str, int] = {}
+    for m in manifests:
+        for key, value in m.counts.items():
+            if isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+    return dict(sorted(total.items()))
+
+
 @stage("report", queue="bench", timeout_s=HOUR_S, after=("bench",))
 def report_stage(ctx: StageContext) -> ShardResult:
     """Combine both bench shards into the report folder.
@@ -166,6 +182,7 @@ def report_stage(ctx: StageContext) -> ShardResult:
         export_checks(store, ctx.recipe),
         offline_tau(store),
     )
+    report["regen"] = regen_counts(store)
     files = [
         atomic_write_json(art.json_path, report),
         atomic_write_bytes(art.markdown_path, to_markdown(report).encode()),

@@ -172,6 +172,28 @@ def test_speedup_falling_with_concurrency_is_an_open_cause():
     assert conc["evidence"] == "speedup 1.20x at T=0 c=1 falls to 0.80x at T=0 c=8"
 
 
+def test_markdown_counts_the_regenerated_data():
+    base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
+    rep = build_report(base, eag, META, [])
+    rep["regen"] = {
+        "input": 320,
+        "success": 290,
+        "skipped": 30,
+        "skipped:degenerate_repetition": 28,
+        "skipped:prompt_too_long": 2,
+        "stopped:degenerate_repetition": 3,
+        "turns": 301,
+        "completion_tokens": 55635,
+        "resampled": 61,
+        "finish_length": 40,
+    }
+    assert (
+        "Regenerated data: 320 conversations, 290 kept (301 answers, 55635 tokens); not kept: "
+        "degenerate_repetition 28, prompt_too_long 2; stopped early: degenerate_repetition 3; "
+        "redrawn answers: 61; kept answers cut at max_tokens: 40." in to_markdown(rep)
+    )
+
+
 def test_good_run_has_no_flags():
     base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
     rep = build_report(base, eag, META, [])
