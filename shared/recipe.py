@@ -191,6 +191,27 @@ class RegenConfig(Section):
     max_turns: int = Field(4, gt=0, description="Assistant turns regenerated per conversation.")
     request_timeout_s: float = Field(300, gt=0, description="Per-request timeout in seconds.")
     max_retries: int = Field(4, ge=0, description="Retries on 5xx/connection errors (backoff).")
+    max_repeat_share: float | None = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="Quarantine an answer whose last half is covered by repeated n-grams "
+        "beyond this share (a loop); None = keep every answer.",
+    )
+    repeat_ngram_tokens: int = Field(
+        8, gt=0, description="n (tokens) of the repeated n-grams max_repeat_share counts."
+    )
+    length_cut: Literal["keep", "drop"] = Field(
+        "keep",
+        description="Answers cut at max_tokens (finish_reason 'length'): 'keep' trains on the "
+        "prefix, 'drop' quarantines them (counted).",
+    )
+    resample_attempts: int = Field(
+        2,
+        ge=0,
+        description="Extra draws of a quarantined answer before giving up (only at "
+        "temperature > 0, where a new draw can differ).",
+    )
 
 
 class ExtractConfig(Section):

@@ -232,6 +232,7 @@ class RegenRecord(Record):
         row: its line in the dedup shard.
         messages: the conversation with the k-th assistant message = the text of `turns[k]`.
         stopped: why regeneration stopped early ('' when it did not).
+        resampled: answers drawn again because the regen answer policy rejected a draw.
         sampling: the request's sampling fields; chat_template_kwargs: as sent.
         server: `{"model", "url", "fingerprint", "target"}` of the server that answered.
     """
@@ -243,6 +244,7 @@ class RegenRecord(Record):
     tools: list[dict[str, Any]] | None = None
     turns: list[RegenTurn]
     stopped: str = ""
+    resampled: int = 0
     sampling: dict[str, Any]
     chat_template_kwargs: dict[str, Any]
     server: dict[str, str]

@@ -2,12 +2,16 @@
 
 `build_report` pairs the windows of the two servers by (temperature, concurrency); speedup
 is eagle3 output tok/s ÷ baseline output tok/s, both measured by the same client on the same
-prompts. τ per temperature pools the counter deltas of every concurrency at that temperature
-(τ = 1 + Σaccepted / Σdrafts, `shared.conventions.mean_acceptance_length`).
+prompts. τ is reported per (temperature, concurrency) cell from that window's counter deltas
+(τ = 1 + accepted / drafts, `shared.conventions.mean_acceptance_length`); the pooled τ per
+temperature (every concurrency's deltas summed) is kept for the acceptance plot.
 
 report.json layout: `{"run_id", "target", "k", "prompt_set", "num_prompts", "max_tokens",
-"rows": [Row], "tau": {"<T>": τ}, "acceptance_rate": {"<T>": r},
-"per_position_rate": {"<T>": [k floats]}, "flags": [Flag]}` (Flag: `diagnosis.flags_for`).
+"rows": [Row], "tau": {"<T>": pooled τ}, "acceptance_rate": {"<T>": r},
+"per_position_rate": {"<T>": [k floats]}, "checks": [Check], "offline": {"tau", "epoch"} |
+None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None}` (regen: the regen
+manifests' counts summed, added by the report stage) (Check: `diagnosis.export_checks`; Plan:
+`kchoice.k_plan`, one per row with counters; Flag: `diagnosis.flags_for`).
 """
 
 from __future__ import annotations
@@ -91,32 +95,37 @@ def pooled_acceptance(eagle3: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def build_report(
-    baseline: dict[str, Any], eagle3: dict[str, Any], meta: dict[str, Any], problems: list[str]
+    baseline: dict[str, Any],
+    eagle3: dict[str, Any],
+    meta: dict[str, Any],
+    checks: list[dict[str, Any]],
+    offline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Combine both shards' sweeps into the report dict (layout in the module docstring).
 
     Args:
         baseline, eagle3: `bench/shard-00000.json` and `bench/shard-00001.json` contents.
         meta: run facts copied into the report (run_id, target, k, prompt_set, ...).
-        problems: `diagnosis.check_export` findings.
+        checks: `diagnosis.export_checks` results.
+        offline: `{"tau", "epoch"}` of the served checkpoint on the held-out split, or None.
     """
     from services.bench.diagnosis import flags_for
+    from services.bench.kchoice import k_plan
 
     rows = pair_rows(baseline, eagle3)
     pooled = pooled_acceptance(eagle3)
-    greedy = pooled.get(str(min(float(w["temperature"]) for w in eagle3["windows"])), {})
-    speedups = {
-        f"T={r['temperature']} c={r['concurrency']}": r["speedup"]
-        for r in rows
-        if r["speedup"] is not None
-    }
+    k = int(meta.get("k") or 0)
+    plans = [p for p in (k_plan(r, k) for r in rows) if p] if k else []
     return {
         **meta,
         "rows": rows,
         "tau": {t: p["tau"] for t, p in pooled.items()},
         "acceptance_rate": {t: p["acceptance_rate"] for t, p in pooled.items()},
         "per_position_rate": {t: p["per_position_rate"] for t, p in pooled.items()},
-        "flags": flags_for(greedy.get("tau"), speedups, problems),
+        "checks": checks,
+        "offline": offline,
+        "k_plans": plans,
+        "flags": flags_for(rows, checks, offline, plans),
     }
 
 
@@ -150,16 +159,79 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{_ms(r['baseline_ttft_s'])}/{_ms(r['eagle3_ttft_s'])} | "
             f"{_ms(r['baseline_itl_s'])}/{_ms(r['eagle3_itl_s'])} |"
         )
-    taus = ", ".join(f"T={t}: {_f(v, '.3f')}" for t, v in report["tau"].items())
-    lines += ["", f"τ per temperature (all concurrencies pooled): {taus or '-'}", ""]
+    lines.append("")
+    off = report.get("offline")
+    if off and off.get("tau") is not None:
+        lines += [
+            f"Offline τ of the served checkpoint on the held-out split: {off['tau']:.3f} "
+            f"(epoch {off.get('epoch', '?')}).",
+            "",
+        ]
+    lines += _k_lines(report) + _regen_lines(report.get("regen"))
+    checks = report.get("checks") or []
+    if checks:
+        lines.append(
+            "Checked and passed: "
+            + ("; ".join(f"{c['check']} ({c['detail']})" for c in checks if c["passed"]) or "none")
+        )
+        lines.append("")
     for flag in report["flags"]:
         lines += [f"**FLAG ({flag['kind']})**: {flag['message']}", ""]
         lines += [f"- confirmed: {c}" for c in flag["confirmed"]]
-        lines += [f"- likely: {c}" for c in flag["likely_causes"]]
+        lines += [f"- open: {c['cause']} — {c['evidence']}" for c in flag["open_causes"]]
         lines.append("")
     if not report["flags"]:
         lines.append("No flags: τ and speedup are above their thresholds.")
     return "\n".join(lines) + "\n"
+
+
+def _regen_lines(counts: dict[str, int] | None) -> list[str]:
+    """One line on the regenerated training data: kept, quarantined by reason, redrawn."""
+    if not counts:
+        return []
+    quarantined = ", ".join(
+        f"{k.split(':', 1)[1]} {v}"
+        for k, v in counts.items()
+        if k.startswith(("skipped:", "error:")) and v
+    )
+    stopped = ", ".join(
+        f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if k.startswith("stopped:") and v
+    )
+    return [
+        f"Regenerated data: {counts.get('input', 0)} conversations, {counts.get('success', 0)} "
+        f"kept ({counts.get('turns', 0)} answers, {counts.get('completion_tokens', 0)} tokens); "
+        f"not kept: {quarantined or 'none'}; stopped early: {stopped or 'none'}; redrawn "
+        f"answers: {counts.get('resampled', 0)}; kept answers cut at max_tokens: "
+        f"{counts.get('finish_length', 0)}.",
+        "",
+    ]
+
+
+def _k_lines(report: dict[str, Any]) -> list[str]:
+    """The predicted speedup per k per cell, with the measured one and the recommended k."""
+    plans = report.get("k_plans") or []
+    if not plans:
+        return []
+    ks = [p["k"] for p in plans[0]["per_k"]]
+    lines = [
+        f"Predicted speedup per k (services.bench.kchoice; fitted at the benchmarked "
+        f"k={report.get('k')}, * = extrapolated acceptance):",
+        "",
+        "| T | conc | cost/draft token | "
+        + " | ".join(f"k={k}" for k in ks)
+        + " | measured | recommended k |",
+        "|---|---|---|" + "---|" * len(ks) + "---|---|",
+    ]
+    for p in plans:
+        cells = " | ".join(
+            f"{x['speedup']:.2f}x{'*' if x['extrapolated'] else ''}" for x in p["per_k"]
+        )
+        rk = p["recommended_k"] or "none pays"
+        lines.append(
+            f"| {p['temperature']:g} | {p['concurrency']} | {p['draft_token_cost']:.3f} | "
+            f"{cells} | {p['measured_speedup']:.2f}x | {rk} |"
+        )
+    return [*lines, ""]
 
 
 def load_report(ref: str | Path, data_root: Path | None = None) -> dict[str, Any]:
@@ -183,6 +255,34 @@ def load_report(ref: str | Path, data_root: Path | None = None) -> dict[str, Any
         ) from None
 
 
+def _prediction_check(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """A's predicted speedup at B's k next to B's measured one, per cell (k must differ)."""
+    if a.get("k") == b.get("k"):
+        return []
+    plans = {(p["temperature"], p["concurrency"]): p for p in a.get("k_plans") or []}
+    out = []
+    for r in b["rows"]:
+        p = plans.get((r["temperature"], r["concurrency"]))
+        pred = next((x for x in p["per_k"] if x["k"] == b.get("k")), None) if p else None
+        if pred is None or r["speedup"] is None:
+            continue
+        out.append(
+            f"| {r['temperature']:g} | {r['concurrency']} | {pred['speedup']:.2f}x"
+            f"{'*' if pred['extrapolated'] else ''} | {r['speedup']:.2f}x |"
+        )
+    if not out:
+        return []
+    head = [
+        "",
+        f"{a.get('run_id', '?')} (k={a.get('k')}) predicted vs {b.get('run_id', '?')} "
+        f"(k={b.get('k')}) measured:",
+        "",
+        "| T | conc | predicted | measured |",
+        "|---|---|---|---|",
+    ]
+    return head + out
+
+
 def compare_markdown(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Markdown comparing two reports window by window (speedup and τ of A vs B)."""
     ra = {(r["temperature"], r["concurrency"]): r for r in a["rows"]}
@@ -200,6 +300,7 @@ def compare_markdown(a: dict[str, Any], b: dict[str, Any]) -> str:
             f"{_f(x.get('tau'), '.3f')} | {_f(y.get('tau'), '.3f')} | "
             f"{_f(x.get('eagle3_tok_s'), '.1f')} | {_f(y.get('eagle3_tok_s'), '.1f')} |"
         )
+    lines += _prediction_check(a, b) + _prediction_check(b, a)
     for name, rep in (("A", a), ("B", b)):
         for flag in rep.get("flags", []):
             lines.append(f"\n{name} FLAG ({flag['kind']}): {flag['message']}")

@@ -123,14 +123,44 @@ def report_meta(store: RunStore, recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def export_problems(store: RunStore, recipe: Recipe) -> list[str]:
-    """`diagnosis.check_export` on the run's served draft against the recipe."""
-    from services.bench.diagnosis import check_export
+def export_checks(store: RunStore, recipe: Recipe) -> list[dict[str, Any]]:
+    """`diagnosis.export_checks` on the run's served draft against the recipe."""
+    from services.bench.diagnosis import export_checks as checks
     from shared.draft import NORM_FLAGS
+    from shared.vllm import speculative_config
 
     ids = resolve_aux_layer_ids(recipe.layers, target_num_layers(recipe))
     flags = {f: getattr(recipe.draft, f) for f in NORM_FLAGS}
-    return check_export(store.export.vllm_draft, ids, flags)
+    draft = store.export.vllm_draft
+    spec = speculative_config(recipe, "eagle3", draft) or {}
+    return checks(draft, ids, flags, str(spec.get("method")), recipe.target.path)
+
+
+def offline_tau(store: RunStore) -> dict[str, Any] | None:
+    """`{"tau", "epoch"}` of the best validated epoch (the one export serves), or None."""
+    from shared.records import BestCheckpoint
+
+    path = store.train.best_path
+    if not path.is_file():
+        return None
+    best = BestCheckpoint.model_validate_json(path.read_text()).best
+    return {"tau": best.get("tau"), "epoch": best.get("epoch")} if best else None
+
+
+def regen_counts(store: RunStore) -> dict[str, int] | None:
+    """The regen manifests' counts summed over shards; None when the run did not regenerate.
+
+    Rows kept, quarantined by reason, stopped early, answers redrawn and cut at max_tokens.
+    """
+    manifests = store.manifests("regen")
+    if not manifests:
+        return None
+    total: dict[str, int] = {}
+    for m in manifests:
+        for key, value in m.counts.items():
+            if isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+    return dict(sorted(total.items()))
 
 
 @stage("report", queue="bench", timeout_s=HOUR_S, after=("bench",))
@@ -149,8 +179,10 @@ def report_stage(ctx: StageContext) -> ShardResult:
         shards[0],
         shards[1],
         report_meta(store, ctx.recipe),
-        export_problems(store, ctx.recipe),
+        export_checks(store, ctx.recipe),
+        offline_tau(store),
     )
+    report["regen"] = regen_counts(store)
     files = [
         atomic_write_json(art.json_path, report),
         atomic_write_bytes(art.markdown_path, to_markdown(report).encode()),

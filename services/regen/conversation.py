@@ -13,7 +13,10 @@ Invariants:
 - an assistant message with no user (or tool) turn before it is not regenerated and is
   dropped (ShareGPT records that start mid-conversation);
 - regeneration stops before an assistant message with tool calls: the recorded tool results
-  answer the original calls, not the target's.
+  answer the original calls, not the target's;
+- an answer the `AnswerPolicy` rejects (a loop, or a length cut when dropped) is drawn again
+  up to `resample_attempts` times, then regeneration stops before it: the row is skipped
+  with that reason if it was the first answer, else keeps its earlier answers (`stopped`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.regen.client import ChatClient, ChatResult, RejectedError
+from services.regen.quality import AnswerPolicy
 from shared.records import Conversation, Message, RegenTurn
 
 #: Outcome statuses; the job's accounting is success + error + skipped == input.
@@ -41,6 +45,7 @@ class Outcome:
         messages: the regenerated conversation (success only).
         turns: per answer, the ids the server saw and sampled.
         results: the raw `ChatResult`s, in turn order.
+        resampled: answers drawn again because the policy rejected the earlier draw.
     """
 
     status: str
@@ -49,6 +54,7 @@ class Outcome:
     messages: list[Message] = field(default_factory=list)
     turns: list[RegenTurn] = field(default_factory=list)
     results: list[ChatResult] = field(default_factory=list)
+    resampled: int = 0
 
 
 def request_message(m: Message) -> dict[str, Any]:
@@ -70,6 +76,9 @@ class Regenerator:
             the generation prompt, exactly as the server renders it.
         max_turns: answers regenerated per conversation.
         max_prompt_tokens: a turn whose prompt is longer is not sent.
+        policy: which answers may be trained on; None = all.
+        resample_attempts: extra draws of a rejected answer (0 at temperature 0, where a
+            draw repeats itself).
     """
 
     def __init__(
@@ -78,9 +87,12 @@ class Regenerator:
         prompt_tokens: Callable[[list[dict[str, Any]], list | None], int],
         max_turns: int,
         max_prompt_tokens: int,
+        policy: AnswerPolicy | None = None,
+        resample_attempts: int = 0,
     ):
         self.client, self.prompt_tokens = client, prompt_tokens
         self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
+        self.policy, self.resample_attempts = policy, resample_attempts
 
     async def run(self, row: Conversation) -> Outcome:
         """Regenerate `row` (a deduplicated conversation). Never raises for a bad row.
@@ -119,11 +131,21 @@ class Regenerator:
                 f"prompt of turn {len(out.turns)} has {n} tokens > {self.max_prompt_tokens}"
             )
             return False
-        try:
-            res = await self.client.chat(history, tools)
-        except RejectedError as e:
-            out.reason, out.detail = "server_rejected", f"turn {len(out.turns)}: {e.detail}"
-            return False
+        for attempt in range(self.resample_attempts + 1):
+            try:
+                res = await self.client.chat(history, tools)
+            except RejectedError as e:
+                out.reason, out.detail = "server_rejected", f"turn {len(out.turns)}: {e.detail}"
+                return False
+            bad = self.policy and self.policy.verdict(
+                res.completion_token_ids, res.finish_reason, res.text
+            )
+            if not bad:
+                break
+            if attempt == self.resample_attempts:
+                out.reason, out.detail = bad.reason, f"turn {len(out.turns)}: {bad.detail}"
+                return False
+            out.resampled += 1
         answer: dict[str, Any] = {"role": "assistant", "content": res.text}
         if res.reasoning:
             answer["reasoning_content"] = res.reasoning

@@ -24,6 +24,7 @@ from typing import IO
 
 from services.regen.client import ChatClient
 from services.regen.conversation import ERROR, SKIPPED, SUCCESS, Outcome, Regenerator
+from services.regen.quality import AnswerPolicy
 from shared.errors import ArtifactError, ServiceUnavailableError
 from shared.recipe import Recipe
 from shared.records import Conversation, RegenFailure, RegenRecord
@@ -63,6 +64,7 @@ def success_record(
         tools=row.tools,
         turns=out.turns,
         stopped=out.reason,
+        resampled=out.resampled,
         sampling=client.sampling,
         chat_template_kwargs=client.kwargs,
         server={
@@ -97,6 +99,23 @@ def make_client(recipe: Recipe, base_url: str) -> ChatClient:
         r.max_retries,
         api_key=api_key(),
     )
+
+
+def answer_policy(recipe: Recipe) -> tuple[AnswerPolicy, int]:
+    """The regen answer checks and the resample attempts (0 at temperature 0).
+
+    The target tokenizer's special ids are the stop ids stripped before judging repetition.
+    """
+    from shared.tokenizer import load_tokenizer
+
+    r = recipe.regen
+    policy = AnswerPolicy(
+        r.max_repeat_share,
+        r.repeat_ngram_tokens,
+        r.length_cut,
+        frozenset(load_tokenizer(recipe).all_special_ids),
+    )
+    return policy, r.resample_attempts if r.temperature > 0 else 0
 
 
 def prompt_counter(recipe: Recipe) -> Callable[[list[dict], list | None], int]:
@@ -149,6 +168,7 @@ def _count(counts: Counter, rec: RegenRecord | RegenFailure) -> None:
             counts["prompt_tokens"] += len(t.prompt_token_ids)
             counts["completion_tokens"] += len(t.completion_token_ids)
             counts["finish_length"] += t.finish_reason == "length"
+        counts["resampled"] += rec.resampled
         if rec.stopped:
             counts[f"stopped:{rec.stopped}"] += 1
     else:
@@ -208,8 +228,14 @@ def regen_stage(ctx: StageContext) -> ShardResult:
     done = {r.row for r in ok} | {r.row for r in bad}
     todo = [(i, row) for i, row in rows if i not in done]
     client = make_client(recipe, ctx.server_url("baseline"))
+    policy, attempts = answer_policy(recipe)
     regen = Regenerator(
-        client, prompt_counter(recipe), recipe.regen.max_turns, max_prompt_tokens(recipe)
+        client,
+        prompt_counter(recipe),
+        recipe.regen.max_turns,
+        max_prompt_tokens(recipe),
+        policy,
+        attempts,
     )
     writer = RowWriter(art.partial_path(shard), art.partial_errors_path(shard))
 

@@ -60,3 +60,17 @@ def test_missing_d2t_with_a_smaller_draft_vocab_is_found(smollm2_path, tmp_path)
     assert got == [
         f"d2t: {d / 'model.safetensors'} has no d2t, so vLLM maps draft id i to target id i"
     ]
+
+
+def test_export_checks_list_what_passed_and_what_failed(smollm2_path, tmp_path):
+    from services.bench.diagnosis import CHECKS, export_checks
+
+    d = _draft(smollm2_path, tmp_path / "d")
+    ok = export_checks(d, AUX, FLAGS, "eagle3", str(smollm2_path))
+    assert [c["check"] for c in ok] == list(CHECKS)
+    assert all(c["passed"] for c in ok)
+    bad = {c["check"]: c for c in export_checks(d, AUX, FLAGS, "eagle", "/other/target")}
+    assert not bad["mode"]["passed"] and "'eagle'" in bad["mode"]["detail"]
+    assert not bad["verifier"]["passed"] and "/other/target" in bad["verifier"]["detail"]
+    assert bad["d2t"]["passed"] and bad["layer ids"]["passed"]
+    assert export_checks(tmp_path / "none", AUX, FLAGS) == []

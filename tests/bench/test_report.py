@@ -79,27 +79,119 @@ def test_slower_draft_with_decent_tau_is_flagged_slower():
     rows = {r["concurrency"]: r for r in rep["rows"]}
     assert rows[1]["speedup"] == pytest.approx(82.3 / 90.0)
     assert rows[8]["speedup"] == pytest.approx(1.2)
-    # Pooled over both windows: 1 + 22/20.
+    assert rows[1]["tau"] == rows[8]["tau"] == pytest.approx(2.1)  # per cell: 1 + 11/10
+    # Pooled over both windows (the plot's series): 1 + 22/20.
     assert rep["tau"]["0.0"] == pytest.approx(2.1)
     assert rep["per_position_rate"]["0.0"] == pytest.approx([0.6, 0.3, 0.2])
     kinds = [f["kind"] for f in rep["flags"]]
     assert kinds == ["slower"]
-    assert "T=0.0 c=1: 0.91x" in rep["flags"][0]["message"]
+    slow = rep["flags"][0]
+    assert "T=0 c=1: 0.91x" in slow["message"]
+    # Only the k cause is open at c=1: tau 2.1 is not low, and c=8 is faster than c=1.
+    (cause,) = slow["open_causes"]
+    assert cause["cause"].startswith("k=3 drafts positions that do not pay; k=1")
+    assert "0.60 / 0.30 / 0.20" in cause["evidence"]
     md = to_markdown(rep)
     assert "| 0 | 1 | 90.0 | 82.3 | 0.91x | 2.100 |" in md
     assert "FLAG (slower)" in md
+    assert "- open: k=3 drafts positions" in md
 
 
-def test_tau_near_one_is_flagged_with_causes():
+def test_k_plan_predicts_from_step_costs_and_per_position_acceptance():
+    base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
+    rep = build_report(base, eag, META, [])
+    plan = next(p for p in rep["k_plans"] if p["concurrency"] == 1)
+    # By hand: one eagle3 step takes tau/82.3 s and yields 2.1 tokens; a baseline token takes
+    # 1/90 s. Cost of a drafted token in target steps: (2.1/82.3*90 - 1)/3.
+    c = (2.1 / 82.3 * 90 - 1) / 3
+    assert plan["draft_token_cost"] == pytest.approx(c)
+    # tau(k): 1.6, 1.9, 2.1, then positions 4 and 5 extrapolated by the ratio 0.2/0.3.
+    taus = [1.6, 1.9, 2.1, 2.1 + 0.2 * 2 / 3, 2.1 + 0.2 * 2 / 3 + 0.2 * 4 / 9]
+    assert [x["tau"] for x in plan["per_k"]] == pytest.approx(taus)
+    assert [x["extrapolated"] for x in plan["per_k"]] == [False, False, False, True, True]
+    want = [t / (1 + (i + 1) * c) for i, t in enumerate(taus)]
+    assert [x["speedup"] for x in plan["per_k"]] == pytest.approx(want)
+    # At the benchmarked k the model reproduces the measurement it was fitted on.
+    assert plan["per_k"][2]["speedup"] == pytest.approx(82.3 / 90)
+    assert plan["recommended_k"] == 1 and plan["predicted_speedup"] == pytest.approx(want[0])
+    assert "| 0 | 1 | 0.432 | 1.12x | 1.02x | 0.91x | 0.82x* | 0.73x* | 0.91x | 1 |" in (
+        to_markdown(rep)
+    )
+
+
+FAILED_IDS = {"check": "layer ids", "passed": False, "detail": "layer ids: config has [1, 2, 3]"}
+PASSED_D2T = {"check": "d2t", "passed": True, "detail": "offsets"}
+
+
+def test_tau_near_one_is_flagged_with_checked_confirmed_and_open_causes():
     base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
-    rep = build_report(base, eag, META, ["layer ids: config has [1, 2, 3]"])
+    rep = build_report(base, eag, META, [FAILED_IDS, PASSED_D2T])
     low = [f for f in rep["flags"] if f["kind"] == "low_tau"][0]
-    assert "tau 1.017" in low["message"]  # 1 + 2/120
-    causes = " ".join(low["likely_causes"])
-    for word in ("mode", "layer ids", "d2t", "norm flags"):
-        assert word in causes
+    # Per cell, not pooled: 1 + 0/40 and 1 + 2/80.
+    assert "T=0 c=1: tau 1.000, T=0 c=8: tau 1.025" in low["message"]
     assert low["confirmed"] == ["layer ids: config has [1, 2, 3]"]
-    assert {f["kind"] for f in rep["flags"]} == {"low_tau", "slower"}
+    assert low["checked"] == ["d2t: offsets"]
+    (cause,) = low["open_causes"]
+    assert "no offline τ recorded" in cause["evidence"]
+    slow = next(f for f in rep["flags"] if f["kind"] == "slower")
+    causes = [c["cause"] for c in slow["open_causes"]]
+    # c=1: nothing accepted, so no k pays, and acceptance is low; c=8 (0.75x) is not worse
+    # than c=1 (0.67x), so concurrency is not a cause.
+    assert causes[:2] == [
+        "the draft costs more than it saves at every k",
+        "low acceptance: too few drafted tokens are kept to pay for drafting",
+    ]
+    assert not any(c.startswith("concurrency") for c in causes)
+    md = to_markdown(rep)
+    assert "Checked and passed: d2t (offsets)" in md
+    assert "- confirmed: layer ids: config has [1, 2, 3]" in md
+
+
+@pytest.mark.parametrize(
+    ("offline_tau", "cause"),
+    [(1.05, "draft quality: the draft predicts"), (1.9, "serving differs from training")],
+)
+def test_offline_tau_tells_a_weak_draft_from_a_serving_mismatch(offline_tau, cause):
+    base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
+    rep = build_report(base, eag, META, [PASSED_D2T], {"tau": offline_tau, "epoch": 4})
+    low = next(f for f in rep["flags"] if f["kind"] == "low_tau")
+    (open_,) = low["open_causes"]
+    assert open_["cause"].startswith(cause)
+    assert f"offline τ {offline_tau:.3f} on the held-out split (epoch 4)" in open_["evidence"]
+    assert f"Offline τ of the served checkpoint on the held-out split: {offline_tau:.3f}" in (
+        to_markdown(rep)
+    )
+
+
+def test_speedup_falling_with_concurrency_is_an_open_cause():
+    base, eag = _shards((108.0, 320.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 20, [9, 7, 4])))
+    rep = build_report(base, eag, META, [PASSED_D2T])
+    (slow,) = rep["flags"]
+    assert slow["message"] == "eagle3 is slower than the baseline at T=0 c=8: 0.80x"
+    conc = next(c for c in slow["open_causes"] if c["cause"].startswith("concurrency"))
+    assert conc["evidence"] == "speedup 1.20x at T=0 c=1 falls to 0.80x at T=0 c=8"
+
+
+def test_markdown_counts_the_regenerated_data():
+    base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
+    rep = build_report(base, eag, META, [])
+    rep["regen"] = {
+        "input": 320,
+        "success": 290,
+        "skipped": 30,
+        "skipped:degenerate_repetition": 28,
+        "skipped:prompt_too_long": 2,
+        "stopped:degenerate_repetition": 3,
+        "turns": 301,
+        "completion_tokens": 55635,
+        "resampled": 61,
+        "finish_length": 40,
+    }
+    assert (
+        "Regenerated data: 320 conversations, 290 kept (301 answers, 55635 tokens); not kept: "
+        "degenerate_repetition 28, prompt_too_long 2; stopped early: degenerate_repetition 3; "
+        "redrawn answers: 61; kept answers cut at max_tokens: 40." in to_markdown(rep)
+    )
 
 
 def test_good_run_has_no_flags():
@@ -157,6 +249,14 @@ def test_report_stage_writes_json_md_and_pngs(tmp_path, smollm2_path):
     assert (rep["run_id"], rep["target"], rep["k"]) == (store.run_id, str(smollm2_path), 3)
     assert rep["tau"]["0.0"] == pytest.approx(2.1)  # 1 + 22/20
     assert [f["kind"] for f in rep["flags"]] == ["slower"]  # the draft matches: nothing confirmed
+    assert [c["check"] for c in rep["checks"] if c["passed"]] == [
+        "mode",
+        "layer ids",
+        "norm flags",
+        "d2t",
+        "verifier",
+    ]
+    assert rep["offline"] is None  # no train stage in this run
     assert store.report.markdown_path.read_text() == to_markdown(rep)
     assert m.counts == {"rows": 2, "flags": 1}
     assert m.extra["tau"]["0.0"] == pytest.approx(2.1)
@@ -168,6 +268,20 @@ def test_report_stage_confirms_a_wrong_export_behind_a_low_tau(tmp_path, smollm2
     run_stage(store, "report")
     low = next(f for f in store.report.read()["flags"] if f["kind"] == "low_tau")
     assert any("[2, 15, 27]" in p and "[1, 14, 26]" in p for p in low["confirmed"])
+
+
+def test_report_stage_reads_the_offline_tau_of_the_best_epoch(tmp_path, smollm2_path):
+    from shared.records import BestCheckpoint
+
+    base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
+    store = _run_with_bench_shards(tmp_path, smollm2_path, base, eag)
+    best = {"epoch": 2, "tau": 1.04, "val_loss": 3.0}
+    store.train.write_best(BestCheckpoint(best=best, validations=[best]))
+    run_stage(store, "report")
+    rep = store.report.read()
+    assert rep["offline"] == {"tau": 1.04, "epoch": 2}
+    low = next(f for f in rep["flags"] if f["kind"] == "low_tau")
+    assert low["open_causes"][0]["cause"].startswith("draft quality")
 
 
 def test_report_stage_without_a_bench_shard_fails(tmp_path, smollm2_path):
@@ -193,6 +307,21 @@ def _check_compare(out: str) -> None:
     assert "A = r1 vs B = r2" in out
     assert "| 0 | 1 | 0.91 | 2.00 | 2.100 | 3.000 |" in out  # b at c=1: 180/90, 1 + 20/10
     assert "A FLAG (slower)" in out
+
+
+def test_compare_puts_one_reports_prediction_next_to_the_others_measurement():
+    from services.bench.report import compare_markdown
+
+    base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
+    a = build_report(base, eag, META, [])
+    # B benchmarked k=1 on the same prompts: 100.8 tok/s at c=1 (1.12x), 500 at c=8.
+    b_base, b_eag = _shards((100.8, 500.0), (_ctr(10, 6, [6], k=1), _ctr(10, 6, [6], k=1)))
+    b = build_report(b_base, b_eag, {**META, "run_id": "r2", "k": 1}, [])
+    out = compare_markdown(a, b)
+    assert "r1 (k=3) predicted vs r2 (k=1) measured:" in out
+    c1 = (2.1 / 82.3 * 90 - 1) / 3  # A's cost of a drafted token at c=1
+    assert f"| 0 | 1 | {1.6 / (1 + c1):.2f}x | {100.8 / 90:.2f}x |" in out
+    assert "r2 (k=1) predicted vs r1 (k=3) measured:" in out
 
 
 def test_cli_compare_prints_both_runs(tmp_path, capsys):
