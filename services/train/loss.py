@@ -179,8 +179,16 @@ def chunked_kl(
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive (got {chunk_tokens})")
-    fn = _ChunkedKL.get()
-    return fn.apply(h, w, th, tw, weight, chunk_tokens, matmul_dtype or h.dtype)
+    import torch
+
+    dtype = matmul_dtype or h.dtype
+    if not (torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)):
+        # Validation: no gradient is computed, nothing is kept.
+        loss, _, _, pred, teach = _kl_and_grad(
+            h, w, th, tw, weight, chunk_tokens, False, False, dtype
+        )
+        return loss, pred, teach
+    return _ChunkedKL.get().apply(h, w, th, tw, weight, chunk_tokens, dtype)
 
 
 class _CaptureHead:

@@ -69,6 +69,11 @@ def train_stage(ctx: StageContext) -> ShardResult:
         "best": result.state.best,
         "resumed_from": str(result.resumed_from) if result.resumed_from else None,
         "device": trainer.rt.device,
+        "memory": {
+            **trainer.memory,
+            "micro_tokens": result.state.micro_tokens,
+            "oom_backoffs": result.state.oom_backoffs,
+        },
     }
     return ShardResult(result.counts, files + checkpoint_dirs(art), extra)
 
