@@ -281,6 +281,25 @@ class TrainConfig(Section):
     tokens_per_step: int = Field(
         8192, gt=0, description="Packed tokens per optimizer step (per process)."
     )
+    loss_chunk_tokens: int = Field(
+        4096,
+        gt=0,
+        description="Positions per chunk of the loss over the draft vocab (the fp32 "
+        "[chunk, draft_vocab] working set; the logits of all positions never exist at once).",
+    )
+    micro_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens per forward/backward; a step above it is accumulated over whole "
+        "samples. None = the largest power-of-two fraction of tokens_per_step that the memory "
+        "model fits in the device's free memory (halved again on out-of-memory).",
+    )
+    val_max_samples: int | None = Field(
+        2000,
+        gt=0,
+        description="Held-out samples scored per validation (streamed from disk one batch at "
+        "a time); None = all.",
+    )
     seed: int = Field(0, ge=0, description="Seed for init, data order and noise (>= 0).")
     val_fraction: float = Field(
         0.05, ge=0, lt=1, description="Share of samples held out for validation."

@@ -48,6 +48,9 @@ class TrainState:
         step_in_epoch: steps of `epoch` already done (the data position within the plan).
         best: `{"epoch", "tau", "val_loss"}` of the best validated epoch, or {}.
         validations: per finished epoch, its validation results.
+        micro_tokens: tokens per forward/backward in use (None before the first step); the
+            OOM back-off lowers it and a resumed run keeps the lowered value.
+        oom_backoffs: `{"step", "from", "to"}` per out-of-memory halving.
     """
 
     step: int = 0
@@ -55,6 +58,8 @@ class TrainState:
     step_in_epoch: int = 0
     best: dict[str, Any] = field(default_factory=dict)
     validations: list[dict[str, Any]] = field(default_factory=list)
+    micro_tokens: int | None = None
+    oom_backoffs: list[dict[str, int]] = field(default_factory=list)
 
 
 def save(

@@ -8,11 +8,22 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from shared.artifacts import RunStore
 from shared.conventions import resolve_aux_layer_ids
-from shared.errors import ContractMismatchError
+from shared.errors import ConfigError, ContractMismatchError, StageFailedError
+from shared.recipe import Recipe
 from shared.records import BestCheckpoint
 from shared.stage import HOUR_S, ShardResult, StageContext, stage
 from shared.target import target_config
+
+log = logging.getLogger("eyrie.train")
 
 
 def _release() -> None:
@@ -36,14 +47,81 @@ def _release() -> None:
 def train_stage(ctx: StageContext) -> ShardResult:
     """Train the draft on the run's extracted hidden states (single job).
 
+    With `TRAIN_GPUS` > 1 (the trainer container's setting) and not already under torchrun,
+    the job runs `torchrun --nproc-per-node TRAIN_GPUS -m services.train.ddp RUN_ID` and
+    waits: one rank per GPU, DDP, rank 0 writing (`services.train.runtime`). The rq worker
+    stays the single process that takes jobs from the queue.
+
     Raises:
         ArtifactError: extract, split or vocab output is missing.
         ContractMismatchError: shards disagree with each other or with the recipe's aux ids.
+        StageFailedError: the torchrun group exited non-zero.
     """
+    gpus = train_gpus()
+    if gpus > 1 and "WORLD_SIZE" not in os.environ:
+        return _train_under_torchrun(ctx, gpus)
+    return run_training(ctx.store, ctx.recipe)
+
+
+def train_gpus() -> int:
+    """`TRAIN_GPUS` (trainer processes, one per GPU; default 1).
+
+    Raises:
+        ConfigError: not a positive integer.
+    """
+    raw = os.environ.get("TRAIN_GPUS", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"TRAIN_GPUS: must be a positive integer (got {raw!r})")
+    return int(raw)
+
+
+def torchrun_command(run_id: str, gpus: int) -> list[str]:
+    """The command the train job runs for `gpus` processes on this node."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        "-m",
+        "services.train.ddp",
+        run_id,
+    ]
+
+
+def _train_under_torchrun(ctx: StageContext, gpus: int) -> ShardResult:
+    from services.train.checkpoints import latest, read_state
+    from services.train.samples import index_samples
+
+    cmd = torchrun_command(ctx.store.run_id, gpus)
+    log.info("train: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, check=False)
+    if proc.returncode != 0:
+        raise StageFailedError(
+            f"train: torchrun with {gpus} processes exited {proc.returncode}; its ranks' "
+            "output is in this worker's log (lower TRAIN_GPUS to 1 to train in one process)"
+        )
+    art = ctx.store.train
+    folder = latest(art)
+    if folder is None:
+        raise StageFailedError(f"train: torchrun finished but {art.checkpoints_dir} is empty")
+    state = read_state(folder)
+    index = index_samples(ctx.store)
+    counts = {
+        "train_samples": len(index.train),
+        "val_samples": len(index.val),
+        "steps": state.step,
+        "epochs": state.epoch,
+        **{f"skipped_{k}": v for k, v in index.skipped.items()},
+    }
+    return _result(ctx.store, state, counts, None, f"torchrun x{gpus}", {})
+
+
+def run_training(store: RunStore, recipe: Recipe) -> ShardResult:
+    """Train in this process (rank `RANK` of `WORLD_SIZE` under torchrun, else alone)."""
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    store, recipe = ctx.store, ctx.recipe
     index = index_samples(store)
     want = resolve_aux_layer_ids(recipe.layers, int(target_config(recipe)["num_hidden_layers"]))
     if index.aux_layer_ids != want:
@@ -53,24 +131,40 @@ def train_stage(ctx: StageContext) -> ShardResult:
         )
     trainer = Trainer(recipe, store, index)
     result = trainer.run()
-    art = store.train
     if not trainer.rt.is_main:
         return ShardResult({})
+    return _result(
+        store, result.state, result.counts, result.resumed_from, trainer.rt.device, trainer.memory
+    )
+
+
+def _result(
+    store: RunStore,
+    state: Any,
+    counts: dict[str, int],
+    resumed_from: Path | None,
+    device: str,
+    memory: dict[str, Any],
+) -> ShardResult:
+    from services.train.checkpoints import checkpoint_dirs
+
+    art = store.train
     files = [
         art.metrics_path,
         art.plot_path,
-        art.write_best(
-            BestCheckpoint(best=result.state.best, validations=result.state.validations)
-        ),
+        art.write_best(BestCheckpoint(best=state.best, validations=state.validations)),
     ]
-    from services.train.checkpoints import checkpoint_dirs
-
     extra = {
-        "best": result.state.best,
-        "resumed_from": str(result.resumed_from) if result.resumed_from else None,
-        "device": trainer.rt.device,
+        "best": state.best,
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "device": device,
+        "memory": {
+            **memory,
+            "micro_tokens": state.micro_tokens,
+            "oom_backoffs": state.oom_backoffs,
+        },
     }
-    return ShardResult(result.counts, files + checkpoint_dirs(art), extra)
+    return ShardResult(counts, files + checkpoint_dirs(art), extra)
 
 
 @stage("export", queue="train", timeout_s=HOUR_S, after=("train",), gpu_phase="train")

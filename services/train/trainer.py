@@ -1,9 +1,18 @@
 """The EAGLE-3 training loop (our own: speculators' bundled Trainer assumes CUDA).
 
-Responsibility: drive speculators' `Eagle3DraftModel.forward` (training-time test, forward-KL
-loss against the teacher restricted to the draft vocab, `decay**j` step weights) with AdamW,
-warm-up + decay, gradient clipping, optional bf16 autocast and hidden-state noise; validate
-and checkpoint every epoch; resume from the latest checkpoint.
+Responsibility: drive speculators' `Eagle3DraftModel.forward` (training-time test) with the
+chunked forward-KL loss of `services.train.loss` (against the teacher restricted to the draft
+vocab, `decay**j` step weights), AdamW, warm-up + decay, gradient clipping, optional bf16
+autocast and hidden-state noise; validate and checkpoint every epoch; resume from the latest
+checkpoint.
+
+Memory: a step of `train.tokens_per_step` runs as gradient accumulation over micro-batches of
+whole samples of at most `micro_tokens` positions, each normalized by the whole step's
+trainable-position counts. `micro_tokens` is `train.micro_tokens`, or what
+`services.train.memory` fits in the device's free memory; an out-of-memory error halves it
+and retries the step (logged, kept in the checkpoint's state and the train manifest).
+Validation streams held-out samples from disk one micro-batch at a time, at most
+`train.val_max_samples` of them.
 
 Invariants:
 - every source of randomness is seeded from `train.seed` and restored on resume (init RNG,
@@ -17,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +35,21 @@ from typing import TYPE_CHECKING, Any
 from services.train import checkpoints as ckpt
 from services.train.acceptance import simulated_tau, teacher_head
 from services.train.draft_model import build_draft, load_trainable_state, trainable_state
+from services.train.loss import step_denominators, ttt_loss
+from services.train.memory import (
+    MIN_MICRO_TOKENS,
+    USABLE_FRACTION,
+    draft_shape,
+    fit_micro_tokens,
+    free_bytes,
+    is_oom,
+    release_cached,
+    step_memory,
+)
 from services.train.metrics import MetricsLog, plot, step_metrics
 from services.train.packing import collate, count_truncated, epoch_order, pack
 from services.train.runtime import Runtime, resolve_runtime, unwrap
-from services.train.samples import SampleIndex, SampleReader, SampleRef
+from services.train.samples import AlignedSample, SampleIndex, SampleReader, SampleRef
 from services.train.schedule import lr_shape
 from shared.artifacts import RunStore
 from shared.progress import Progress
@@ -36,6 +57,8 @@ from shared.recipe import Recipe
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("eyrie.train")
 
 
 @dataclass
@@ -76,7 +99,8 @@ class Trainer:
         self.art = store.train
         self.rt = runtime or resolve_runtime(recipe)
         self.log = MetricsLog(self.art.metrics_path)
-        self.train_refs, self.val_refs = index.train, index.val
+        self.train_refs = index.train
+        self.val_refs = index.val[: self.cfg.val_max_samples]
         self.index, self.read = index, SampleReader(store)
         self.plans = [
             self.rt.shard_steps(
@@ -103,10 +127,38 @@ class Trainer:
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
         self.state = ckpt.TrainState()
         self._teacher_head: torch.Tensor | None = None
-        from speculators.losses import resolve_loss_config
+        self.memory = self._plan_memory()
+        self.state.micro_tokens = self.memory["micro_tokens"]
 
-        # Eager loss: the fused default needs Triton, which the CPU build lacks.
-        self.loss_config = resolve_loss_config("kl_div", "eager")
+    def _plan_memory(self) -> dict[str, Any]:
+        """Pick the micro-batch size: `train.micro_tokens`, or the memory model's fit.
+
+        Returns:
+            `{"micro_tokens", "estimate" (bytes by part at that size), "budget" (bytes)}`.
+        """
+        shape = draft_shape(self.draft)
+        tps, cfg = self.cfg.tokens_per_step, self.cfg
+        args = (cfg.ttt_steps, cfg.loss_chunk_tokens, 2 if self.rt.autocast_dtype else 4)
+        dense = self.rt.device_type == "cpu"  # sdpa's dense mask; flex on CUDA
+        params = step_memory(shape, 0, *args, dense).params  # already on the device
+        budget = int(free_bytes(self.rt.device) * USABLE_FRACTION) + params
+        if cfg.micro_tokens is not None:
+            micro = min(cfg.micro_tokens, tps)
+        else:
+            micro = fit_micro_tokens(shape, tps, *args, dense, budget)
+        est = step_memory(shape, micro, *args, dense).as_dict()
+        log.info(
+            "train step memory: %d of %d tokens per micro-batch, ~%.2f GiB of %.2f GiB",
+            micro,
+            tps,
+            est["total"] / 2**30,
+            budget / 2**30,
+        )
+        return {"micro_tokens": micro, "estimate": est, "budget": budget}
+
+    @property
+    def micro_tokens(self) -> int:
+        return self.state.micro_tokens or self.cfg.tokens_per_step
 
     @property
     def draft(self) -> torch.nn.Module:
@@ -119,6 +171,8 @@ class Trainer:
         if folder is None:
             return None
         weights, self.state, ts = ckpt.load(folder)
+        if self.state.micro_tokens is None or self.state.micro_tokens > self.memory["micro_tokens"]:
+            self.state.micro_tokens = self.memory["micro_tokens"]
         load_trainable_state(self.draft, weights)
         self.optimizer.load_state_dict(ts["optimizer"])
         self.scheduler.load_state_dict(ts["scheduler"])
@@ -193,28 +247,31 @@ class Trainer:
                 self.save(self.art.step_dir)
 
     def train_step(self, refs: list[SampleRef]) -> dict[str, Any]:
-        """One optimizer step on the packed samples `refs`. Returns its metrics record."""
+        """One optimizer step on the packed samples `refs`. Returns its metrics record.
+
+        Raises:
+            MemoryError: out of memory with every micro-batch down to one sample or
+                MIN_MICRO_TOKENS tokens.
+        """
         import torch
 
         t0 = time.perf_counter()
-        batch = self.to_device(collate([self.read(r) for r in refs], self.cfg.tokens_per_step))
-        if self.cfg.noise_std > 0:
-            hs = batch["hidden_states"]
-            noise = torch.randn(hs.shape, generator=self.noise, device=hs.device)
-            batch["hidden_states"] = hs + (noise * self.cfg.noise_std).to(hs.dtype)
+        samples = [self.read(r) for r in refs]
         lr = self.scheduler.get_last_lr()[0]
-        loss, raw = self.forward(batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        while True:
+            try:
+                raw, tokens = self.step_loss(samples, train=True)
+                break
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self.back_off(e)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.draft.parameters() if p.requires_grad], self.cfg.grad_clip
         )
         self.optimizer.step()
         self.scheduler.step()
-        tokens = int(batch["input_ids"].shape[1])
-        metrics = step_metrics(
-            {k: float(v) for k, v in raw.items()}, self.cfg.ttt_steps, self.cfg.step_loss_decay
-        )
+        metrics = step_metrics(raw, self.cfg.ttt_steps, self.cfg.step_loss_decay)
         dt = time.perf_counter() - t0
         return {
             **metrics,
@@ -222,7 +279,77 @@ class Trainer:
             "tokens": tokens,
             "tokens_per_s": tokens / dt,
             "grad_norm": float(grad_norm),
+            "micro_tokens": self.micro_tokens,
         }
+
+    def back_off(self, error: BaseException) -> None:
+        """After an out-of-memory error: drop the partial gradients and halve micro_tokens.
+
+        Raises:
+            MemoryError: micro_tokens is already at MIN_MICRO_TOKENS.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        release_cached()
+        old = self.micro_tokens
+        if old // 2 < MIN_MICRO_TOKENS:
+            raise MemoryError(
+                f"train step {self.state.step + 1}: out of memory at {old} tokens per "
+                f"micro-batch ({error}); lower draft.draft_vocab_size or use a larger device"
+            ) from error
+        self.state.micro_tokens = old // 2
+        self.state.oom_backoffs.append(
+            {"step": self.state.step + 1, "from": old, "to": self.state.micro_tokens}
+        )
+        log.warning(
+            "train step %d: out of memory at %d tokens per micro-batch; retrying at %d",
+            self.state.step + 1,
+            old,
+            self.state.micro_tokens,
+        )
+
+    def step_loss(self, samples: list[AlignedSample], train: bool) -> tuple[dict[str, float], int]:
+        """Loss metrics of one step's samples, over micro-batches (gradients accumulated).
+
+        Args:
+            samples: the step's samples (truncated to tokens_per_step when collated).
+            train: add noise and backpropagate (else: no noise, no gradients).
+
+        Returns:
+            (speculators-style raw metrics summed over micro-batches, positions).
+        """
+        import contextlib
+
+        import torch
+
+        tps, ttt = self.cfg.tokens_per_step, self.cfg.ttt_steps
+        masks = [s.loss_mask[:tps] for s in samples]
+        denoms = step_denominators(torch.cat(masks).unsqueeze(0), ttt)
+        lengths = [min(len(m), tps) for m in masks]
+        groups = _micro_batches(lengths, self.micro_tokens)
+        raw: dict[str, float] = {}
+        if train:
+            self.optimizer.zero_grad(set_to_none=True)
+        for g, idx in enumerate(groups):
+            batch = self.to_device(collate([samples[i] for i in idx], tps))
+            if train and self.cfg.noise_std > 0:
+                hs = batch["hidden_states"]
+                noise = torch.randn(hs.shape, generator=self.noise, device=hs.device)
+                batch["hidden_states"] = hs + (noise * self.cfg.noise_std).to(hs.dtype)
+            last = g == len(groups) - 1
+            # Under DDP only the last micro-batch's backward all-reduces the gradients.
+            sync = (
+                contextlib.nullcontext()
+                if last or not train or self.rt.world_size == 1
+                else self.model.no_sync()  # type: ignore[operator]
+            )
+            with sync, torch.set_grad_enabled(train):
+                loss, part = self.forward(batch, denoms)
+                if train:
+                    loss.backward()
+            for k, v in part.items():
+                raw[k] = raw.get(k, 0.0) + float(v)
+            del batch, loss, part
+        return raw, sum(lengths)
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Move a collated batch to the device; hidden states to the compute dtype."""
@@ -235,44 +362,34 @@ class Trainer:
             out[k] = v.to(dtype) if v.is_floating_point() else v
         return out
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Run speculators' TTT forward under the configured autocast: (loss, metrics)."""
-        import torch
-
-        with torch.autocast(
-            self.rt.device_type, dtype=torch.bfloat16, enabled=self.rt.autocast_dtype == "bf16"
-        ):
-            _, loss, raw = self.model(
-                **batch,
-                ttt_steps=self.cfg.ttt_steps,
-                ttt_step_loss_decay=self.cfg.step_loss_decay,
-                loss_config=self.loss_config,
-            )
-        return loss, raw
+    def forward(
+        self, batch: dict[str, torch.Tensor], denominators: list[float] | None = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Speculators' TTT forward with the chunked loss, under the configured autocast."""
+        return ttt_loss(
+            self.model,
+            batch,
+            self.cfg.ttt_steps,
+            self.cfg.step_loss_decay,
+            self.cfg.loss_chunk_tokens,
+            denominators,
+            self.rt.autocast_dtype,
+        )
 
     # -- validation and epoch end ----------------------------------------------------------
     def validate(self) -> dict[str, Any]:
         """Validation loss per TTT step and the simulated acceptance length (no noise)."""
-        import torch
-
         if not self.val_refs:
             return {}
         self.model.eval()
         sums: dict[str, float] = {}
         plan = pack(self.val_refs, range(len(self.val_refs)), self.cfg.tokens_per_step)
-        with torch.no_grad():
-            for idx in plan:
-                batch = collate(
-                    [self.read(self.val_refs[i]) for i in idx], self.cfg.tokens_per_step
-                )
-                _, raw = self.forward(self.to_device(batch))
-                m = step_metrics(
-                    {k: float(v) for k, v in raw.items()},
-                    self.cfg.ttt_steps,
-                    self.cfg.step_loss_decay,
-                )
-                for key, v in m.items():
-                    sums[key] = sums.get(key, 0.0) + v / len(plan)
+        for idx in plan:
+            # Read per step: at most one step's samples are in memory at a time.
+            raw, _ = self.step_loss([self.read(self.val_refs[i]) for i in idx], train=False)
+            m = step_metrics(raw, self.cfg.ttt_steps, self.cfg.step_loss_decay)
+            for key, v in m.items():
+                sums[key] = sums.get(key, 0.0) + v / len(plan)
         self.model.train()
         if self._teacher_head is None:
             self._teacher_head = teacher_head(self.draft)
@@ -302,10 +419,11 @@ class Trainer:
     def _counts(self) -> dict[str, int]:
         return {
             "train_samples": len(self.train_refs),
-            "val_samples": len(self.val_refs),
+            "val_samples": len(self.index.val),
             "steps": self.state.step,
             "epochs": self.state.epoch,
             "truncated_samples": count_truncated(self.train_refs, self.cfg.tokens_per_step),
+            "val_samples_scored": len(self.val_refs),
             **{f"skipped_{k}": v for k, v in self.index.skipped.items()},
         }
 
@@ -313,3 +431,23 @@ class Trainer:
 def _better(val: dict[str, Any], best: dict[str, Any]) -> bool:
     """Higher simulated τ wins; equal τ falls back to lower validation loss."""
     return (val["tau"], -val["val_loss"]) > (best["tau"], -best["val_loss"])
+
+
+def _micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
+    """Consecutive groups of sample indices of at most `micro_tokens` positions each.
+
+    A sample longer than `micro_tokens` forms a group of its own (samples are never split:
+    attention and the TTT shift run within a sample).
+    """
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > micro_tokens:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups

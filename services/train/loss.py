@@ -1,0 +1,294 @@
+"""The training-time-test loss without full-vocabulary logits for every TTT step at once.
+
+Responsibility: `ttt_loss`, the same loss and metrics as speculators 0.9.0's
+`Eagle3DraftModel.forward` with `verifier_last_hidden_states` (forward KL from the teacher,
+restricted to the draft vocab, per TTT step j weighted by `decay**j` and normalized by the
+step's trainable positions), computed so that at most one chunk of `chunk_tokens` positions
+of fp32 logits over the draft vocab exists at any time.
+
+Method. speculators' forward is run without the teacher states (so it computes no loss) and
+with its `lm_head` swapped for a module that only records its input, the normed draft state
+`[1, T, H]` of each TTT step. The loss of step j is then `_ChunkedKL`: for each chunk of
+positions it computes the draft logits `h @ W.T` and the teacher logits
+`verifier_lm_head(verifier_norm(final))`, the KL, and, when gradients are wanted, the
+gradients with respect to `h` and `W` right away (d KL / d logits = softmax(logits) - p), then
+frees the chunk. Autograd keeps only `[T, H]` per step and one `[Vd, H]` weight gradient,
+instead of speculators' `[T, Vd]` fp32 log-softmax and softmax per step until backward.
+
+Alignment (speculators `align_for_step`): step j's draft logits at positions `0..T-j-1` are
+scored against the teacher logits at `j..T-1`, with `loss_mask[j:]`; the chain accuracy
+`prev_correct` is updated in place as speculators does. Keys of the returned metrics are
+speculators' (`loss_sum`, `loss_<j>_sum`, `full_acc_<j>_sum/_total`, `cond_acc_<j>_sum/_total`),
+so `services.train.metrics.step_metrics` reads either.
+
+`denominators` lets a step be split into micro-batches (OOM back-off): each micro-batch is
+normalized by the whole step's trainable-position count per TTT step, so the micro-batch
+losses (and gradients) sum to the unsplit step's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: speculators' `_LOSS_REDUCTION_EPS`: added to the trainable-position count of a step.
+REDUCTION_EPS = 1e-5
+TEACHER_KEYS = ("verifier_last_hidden_states", "loss_mask")
+
+
+def step_denominators(loss_mask: torch.Tensor, ttt_steps: int) -> list[float]:
+    """Per TTT step j, the trainable positions scored at j (`loss_mask[:, j:]`) plus eps.
+
+    Args:
+        loss_mask: bool `[1, T]`.
+        ttt_steps: the TTT depth.
+    """
+    return [float(loss_mask[:, j:].sum()) + REDUCTION_EPS for j in range(ttt_steps)]
+
+
+def _kl_and_grad(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    th: torch.Tensor,
+    tw: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_tokens: int,
+    want_h: bool,
+    want_w: bool,
+    matmul_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Sum over positions of `weight * KL(p_teacher || q_draft)`, chunk by chunk.
+
+    Args:
+        h: `[n, H]` normed draft states; w: `[Vd, H]` draft lm_head.
+        th: `[n, H]` normed teacher states; tw: `[Vd, H]` teacher lm_head rows of the draft
+            vocab.
+        weight: `[n]` per-position weight (mask * decay**j / denominator).
+        chunk_tokens: positions per chunk.
+        want_h, want_w: compute the gradient with respect to `h` / `w`.
+        matmul_dtype: dtype of the two matmuls (bf16 under autocast); softmax and KL run in
+            fp32 (fp64 when the inputs are fp64).
+
+    Returns:
+        (loss, grad_h or None, grad_w or None, draft argmax `[n]`, teacher argmax `[n]`).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    n = h.shape[0]
+    loss = torch.zeros((), dtype=acc, device=h.device)
+    grad_h = torch.empty_like(h) if want_h else None
+    grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
+    pred = torch.empty(n, dtype=torch.long, device=h.device)
+    teach = torch.empty(n, dtype=torch.long, device=h.device)
+    wm, twm = w.to(matmul_dtype), tw.to(matmul_dtype)
+    for s in range(0, n, chunk_tokens):
+        e = min(s + chunk_tokens, n)
+        hc = h[s:e].to(matmul_dtype)
+        logits = (hc @ wm.T).to(acc)  # shape: [c, Vd]
+        logq = F.log_softmax(logits, dim=-1)
+        del logits
+        t_logits = (th[s:e].to(matmul_dtype) @ twm.T).to(acc)
+        p = F.softmax(t_logits, dim=-1)
+        teach[s:e] = t_logits.argmax(dim=-1)
+        del t_logits
+        pred[s:e] = logq.argmax(dim=-1)
+        kl = F.kl_div(logq, p, reduction="none", log_target=False).sum(dim=-1)  # shape: [c]
+        wc = weight[s:e].to(acc)
+        loss += (kl * wc).sum()
+        if want_h or want_w:
+            # d/dlogits of sum_v p_v (log p_v - log q_v) is q - p (p sums to 1).
+            g = (logq.exp_().sub_(p)).mul_(wc[:, None]).to(matmul_dtype)  # shape: [c, Vd]
+            if grad_h is not None:
+                grad_h[s:e] = (g @ wm).to(h.dtype)
+            if grad_w is not None:
+                grad_w += (g.T @ hc).to(acc)
+        del logq, p
+    return loss, grad_h, grad_w, pred, teach
+
+
+class _ChunkedKL:
+    """Holder for the autograd Function (built lazily: torch is imported inside functions)."""
+
+    fn: Any = None
+
+    @classmethod
+    def get(cls) -> Any:
+        if cls.fn is None:
+            import torch
+
+            class ChunkedKL(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, h, w, th, tw, weight, chunk_tokens, matmul_dtype):  # type: ignore[override]
+                    loss, gh, gw, pred, teach = _kl_and_grad(
+                        h,
+                        w,
+                        th,
+                        tw,
+                        weight,
+                        chunk_tokens,
+                        ctx.needs_input_grad[0],
+                        ctx.needs_input_grad[1],
+                        matmul_dtype,
+                    )
+                    ctx.save_for_backward(
+                        gh if gh is not None else h.new_empty(0),
+                        gw.to(w.dtype) if gw is not None else w.new_empty(0),
+                    )
+                    ctx.mark_non_differentiable(pred, teach)
+                    return loss, pred, teach
+
+                @staticmethod
+                def backward(ctx, grad_loss, _gp, _gt):  # type: ignore[override]
+                    gh, gw = ctx.saved_tensors
+                    dh = gh * grad_loss.to(gh.dtype) if ctx.needs_input_grad[0] else None
+                    dw = gw * grad_loss.to(gw.dtype) if ctx.needs_input_grad[1] else None
+                    return dh, dw, None, None, None, None, None
+
+            cls.fn = ChunkedKL
+        return cls.fn
+
+
+def chunked_kl(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    th: torch.Tensor,
+    tw: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_tokens: int,
+    matmul_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sum_t weight_t * KL(softmax(th_t @ tw.T) || softmax(h_t @ w.T))`, differentiable in h, w.
+
+    Args:
+        h: `[n, H]` normed draft states (any float dtype).
+        w: `[Vd, H]` draft lm_head weight.
+        th: `[n, H]` normed teacher states (no gradient).
+        tw: `[Vd, H]` teacher lm_head rows of the draft vocab (no gradient).
+        weight: `[n]` per-position weight.
+        chunk_tokens: positions per chunk (> 0): the fp32 `[chunk, Vd]` working set.
+        matmul_dtype: dtype of the matmuls; default `h.dtype`.
+
+    Returns:
+        (scalar loss in fp32 or fp64, draft argmax `[n]`, teacher argmax `[n]`).
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive (got {chunk_tokens})")
+    import torch
+
+    dtype = matmul_dtype or h.dtype
+    if not (torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)):
+        # Validation: no gradient is computed, nothing is kept.
+        loss, _, _, pred, teach = _kl_and_grad(
+            h, w, th, tw, weight, chunk_tokens, False, False, dtype
+        )
+        return loss, pred, teach
+    return _ChunkedKL.get().apply(h, w, th, tw, weight, chunk_tokens, dtype)
+
+
+class _CaptureHead:
+    """Stands in for the draft's lm_head: records its input, returns `[..., 1]` zeros."""
+
+    def __init__(self) -> None:
+        self.inputs: list[torch.Tensor] = []
+
+    def module(self) -> Any:
+        import torch
+
+        capture = self
+
+        class Capture(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                capture.inputs.append(x)
+                return x.new_zeros(*x.shape[:-1], 1)
+
+        return Capture()
+
+
+@contextmanager
+def _captured_head(draft: Any) -> Iterator[_CaptureHead]:
+    head = draft.lm_head
+    cap = _CaptureHead()
+    draft.lm_head = cap.module()
+    try:
+        yield cap
+    finally:
+        draft.lm_head = head
+
+
+def ttt_loss(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    ttt_steps: int,
+    decay: float,
+    chunk_tokens: int,
+    denominators: list[float] | None = None,
+    autocast_dtype: str | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The TTT forward and its loss, chunked over tokens per TTT step.
+
+    Args:
+        model: the draft (speculators `Eagle3DraftModel`), or a DDP wrapper of it.
+        batch: `services.train.packing.collate`'s dict on the model's device, with
+            `verifier_last_hidden_states` and `loss_mask`.
+        ttt_steps: TTT depth.
+        decay: `train.step_loss_decay` (step j weighs decay**j).
+        chunk_tokens: positions per loss chunk.
+        denominators: per-step normalizers; default this batch's (`step_denominators`).
+        autocast_dtype: 'bf16' to run under bf16 autocast (matmuls of the loss in bf16).
+
+    Returns:
+        (loss, metrics) as speculators' forward returns them (see the module docstring).
+    """
+    import torch
+
+    from services.train.runtime import unwrap
+
+    draft: Any = unwrap(model)
+    mask = batch["loss_mask"]
+    denoms = denominators or step_denominators(mask, ttt_steps)
+    device_type = batch["hidden_states"].device.type
+    # Without the teacher states speculators computes no loss (and no [T, Vd] targets).
+    inputs = {k: v for k, v in batch.items() if k not in TEACHER_KEYS}
+    with (
+        torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast_dtype == "bf16"),
+        _captured_head(draft) as cap,
+    ):
+        model(**inputs, ttt_steps=ttt_steps)
+    mm_dtype = torch.bfloat16 if autocast_dtype == "bf16" else None
+    with torch.no_grad():
+        final = batch["verifier_last_hidden_states"][0]
+        teacher_h = draft.verifier_norm(final.to(draft.verifier_norm.weight.dtype))
+    w, tw = draft.lm_head.weight, draft.verifier_lm_head.weight
+    n = mask.shape[1]
+    prev_correct = mask[0].clone()
+    loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] = {}
+    for j in range(ttt_steps):
+        h = cap.inputs[j][0, : n - j]
+        m = mask[0, j:]
+        wdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+        weight = m.to(wdtype) * (decay**j / denoms[j])
+        s_loss, pred, teach = chunked_kl(
+            h, w, teacher_h[j:], tw, weight, chunk_tokens, mm_dtype or h.dtype
+        )
+        loss = s_loss if loss is None else loss + s_loss
+        prev = prev_correct[: n - j]
+        cond_total = prev.sum().float()
+        correct = torch.logical_and(prev, pred == teach, out=prev)
+        correct_sum = correct[m].float().sum()
+        metrics[f"loss_{j}_sum"] = s_loss.detach().clone()
+        metrics[f"loss_{j}_total"] = torch.ones((), device=mask.device)
+        metrics[f"full_acc_{j}_sum"] = correct_sum
+        metrics[f"full_acc_{j}_total"] = m.sum().float()
+        metrics[f"cond_acc_{j}_sum"] = correct_sum.clone()
+        metrics[f"cond_acc_{j}_total"] = cond_total
+    assert loss is not None  # ttt_steps > 0 (recipe validation)
+    metrics["loss_sum"] = loss.detach().clone()
+    metrics["loss_total"] = torch.ones((), device=mask.device)
+    return loss, metrics
