@@ -42,11 +42,21 @@ def toks(smollm2_path, tokenizer_dirs):
     return {k: load_tokenizer(TokenizerSpec(str(v))) for k, v in paths.items()}
 
 
-def _pieces(tok, pieces):
-    """Expected (ids, mask) from literal (text, trainable) pieces, each tokenized alone."""
+@pytest.fixture(scope="module")
+def raw_files(smollm2_path, tokenizer_dirs):
+    """The models' own tokenizer.json files, through `tokenizers` alone (not the loader)."""
+    from tokenizers import Tokenizer
+
+    paths = {"smollm2": smollm2_path, **tokenizer_dirs}
+    return {k: Tokenizer.from_file(str(v / "tokenizer.json")) for k, v in paths.items()}
+
+
+def _pieces(raw, pieces):
+    """Expected (ids, mask) from literal (text, trainable) pieces, each tokenized alone by
+    the raw tokenizer.json (so a loader that changes the ids cannot agree with itself)."""
     ids, mask = [], []
     for text, trainable in pieces:
-        piece = tok(text, add_special_tokens=False)["input_ids"]
+        piece = raw.encode(text, add_special_tokens=False).ids
         ids += piece
         mask += [int(trainable)] * len(piece)
     return ids, mask
@@ -99,9 +109,9 @@ SMOL_SYS = (
         ),
     ],
 )
-def test_mask_written_from_template_text(toks, name, pieces):
+def test_mask_written_from_template_text(toks, raw_files, name, pieces):
     ids, mask = assistant_mask(toks[name], CONV, {})
-    exp_ids, exp_mask = _pieces(toks[name], pieces)
+    exp_ids, exp_mask = _pieces(raw_files[name], pieces)
     assert ids == exp_ids
     assert mask == exp_mask
 
@@ -144,11 +154,11 @@ def test_qwen3_matches_specforge_golden(toks, ref):
     ]
 
 
-def test_qwen3_enable_thinking_false_masks_injected_block(toks):
+def test_qwen3_enable_thinking_false_masks_injected_block(toks, raw_files):
     tok = toks["qwen3"]
     ids, mask = assistant_mask(tok, CONV, {"enable_thinking": False})
     exp_ids, exp_mask = _pieces(
-        tok,
+        raw_files["qwen3"],
         [
             ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
             ("Hello there<|im_end|>", 1),
