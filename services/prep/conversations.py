@@ -55,6 +55,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
     quarantined: list[QuarantinedRow] = []
     skipped: Counter[str] = Counter()
     realigned: Counter[str] = Counter()
+    fields: Counter[str] = Counter()
     rows = _read_shard(ctx)
     for d, row, raw in rows:
         meta = plan.datasets[d]
@@ -77,6 +78,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
             )
             continue
         realigned.update(adapted.realigned)
+        fields.update(adapted.fields)
         kept.append(
             Conversation.model_validate(
                 {
@@ -92,6 +94,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         kept=len(kept),
         skipped=dict(sorted(skipped.items())),
         realigned=dict(sorted(realigned.items())),
+        fields=dict(sorted(fields.items())),
     )
     files = ctx.store.prep.write(ctx.shard, kept, quarantined, report)
     if rows and len(kept) / len(rows) < cfg.min_kept_fraction:

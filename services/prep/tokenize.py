@@ -21,7 +21,16 @@ from collections import Counter
 from typing import Any
 
 from services.prep.formats import RowRejected
-from services.prep.template import check_mask, mask_spans, tokenize_spans, turn_end
+from services.prep.template import (
+    Rendered,
+    check_mask,
+    mask_spans,
+    prefix_turn,
+    render_turns,
+    tokenize_rendered,
+    tokenize_spans,
+    turn_end,
+)
 from shared.artifacts import TokenizedSample
 from shared.records import Conversation, RegenRecord
 from shared.stage import HOUR_S, PER_PLAN_SHARD, ShardResult, StageContext, stage
@@ -45,29 +54,54 @@ def finish(sample: TokenizedSample, max_len: int, counts: Counter) -> TokenizedS
     return sample
 
 
+def _renders(
+    tok: Any, row: Conversation, kwargs: dict, rewritten: str, counts: Counter
+) -> list[tuple[str, Rendered]]:
+    """`(sample id, render)` of one conversation.
+
+    The whole conversation, and with policy 'prefix' one prefix render per turn the template
+    rewrites once later turns exist.
+    """
+    msgs = row.chat_messages()
+    whole = render_turns(tok, msgs, kwargs, row.tools)
+    if whole.normalized:
+        counts[whole.normalized] += 1
+    out = [(row.id, whole)]
+    for i in whole.rewritten:
+        counts[f"rewritten_turn_{'prefix_sample' if rewritten == 'prefix' else 'masked'}"] += 1
+        if rewritten == "prefix":
+            out.append((f"{row.id}#{i}", prefix_turn(tok, msgs, i, kwargs, row.tools)))
+    return out
+
+
 def from_conversations(
-    tok: Any, rows: list[Conversation], kwargs: dict, max_len: int, counts: Counter
+    tok: Any,
+    rows: list[Conversation],
+    kwargs: dict,
+    max_len: int,
+    counts: Counter,
+    rewritten: str = "prefix",
 ) -> list[TokenizedSample]:
     """Render, mask and tokenize conversations in one tokenizer batch.
 
-    Rejected rows are counted in `counts["dropped:<reason>"]`.
+    Each sample passes the template round trip (its trained tokens decode to show each turn's
+    content, kept reasoning and tool calls). Rejected rows and samples are counted in
+    `counts["dropped:<reason>"]`; turns the template rewrites follow `rewritten`
+    (`prep.rewritten_turns`).
     """
-    texts, spans, kept = [], [], []
+    renders: list[tuple[Conversation, str, Rendered]] = []
     for row in rows:
         try:
-            text, sp = mask_spans(tok, row.chat_messages(), kwargs, row.tools)
+            renders += [(row, sid, r) for sid, r in _renders(tok, row, kwargs, rewritten, counts)]
         except RowRejected as e:
             counts[f"dropped:{e.reason}"] += 1
-            continue
-        texts.append(text)
-        spans.append(sp)
-        kept.append(row)
     out = []
-    for row, (ids, mask) in zip(kept, tokenize_spans(tok, texts, spans), strict=True):
+    done = tokenize_rendered(tok, [r for _, _, r in renders])
+    for (row, sid, _), (ids, mask, problem) in zip(renders, done, strict=True):
         try:
-            out.append(
-                finish(TokenizedSample(row.id, row.id, row.source, ids, mask), max_len, counts)
-            )
+            if problem:
+                raise RowRejected(problem, sid)
+            out.append(finish(TokenizedSample(sid, row.id, row.source, ids, mask), max_len, counts))
         except RowRejected as e:
             counts[f"dropped:{e.reason}"] += 1
     return out
@@ -154,7 +188,9 @@ def _samples(ctx: StageContext, tok: Any, counts: Counter) -> list[TokenizedSamp
                     except RowRejected as e:
                         counts[f"dropped:{e.reason}"] += 1
             else:
-                out += from_conversations(tok, batch, kwargs, max_len, counts)
+                out += from_conversations(
+                    tok, batch, kwargs, max_len, counts, recipe.prep.rewritten_turns
+                )
             bar.update(len(batch))
     return out
 

@@ -53,7 +53,9 @@ class Outcome:
 
 def request_message(m: Message) -> dict[str, Any]:
     """A canonical message as sent to the server (role, content, and tool fields)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    # null content kept only on a tool-call turn, where the OpenAI API allows it
+    content = m.content if m.tool_calls else (m.content or "")
+    out: dict[str, Any] = {"role": m.role, "content": content}
     d = m.chat_dict()
     for key in ("name", "tool_calls", "tool_call_id"):
         if d.get(key):
