@@ -20,6 +20,7 @@ cause.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,3 +179,45 @@ def _raw(spec: TokenizerSpec) -> Any | None:
         return Tokenizer.from_file(str(f))
     except Exception as e:  # the Rust side raises plain Exception on a malformed file
         raise ConfigError(f"target.tokenizer: {f}: not a tokenizers file ({e})") from e
+
+
+def generation_stop_ids(path: str, revision: str | None = None) -> frozenset[int]:
+    """The `eos_token_id`(s) of a model's `generation_config.json` (what the server stops on).
+
+    A local folder is read directly; a hub id is read from the local hub cache only. A model
+    without the file gives an empty set (the tokenizer's EOS still counts: `stop_ids`).
+
+    Raises:
+        ConfigError: the file is there but is not JSON.
+    """
+    local = Path(path)
+    if local.is_dir():
+        f: Path | None = local / "generation_config.json"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(path, "generation_config.json", revision=revision)
+        except (ValueError, OSError):
+            found = None
+        f = Path(found) if isinstance(found, str) else None
+    if f is None or not f.is_file():
+        return frozenset()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"target.path: {f}: not JSON ({e})") from e
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def stop_ids(recipe: Recipe, tok: Any, end_of_turn: int | None = None) -> frozenset[int]:
+    """Every id the target's server stops on.
+
+    The union of the target's generation-config `eos_token_id`(s) (vLLM stops on each),
+    the tokenizer's EOS, and the template's end-of-turn id. Llama-3.1: `<|end_of_text|>`,
+    `<|eom_id|>`, `<|eot_id|>`; Qwen3: `<|im_end|>`, `<|endoftext|>`.
+    """
+    t = recipe.target
+    ids = set(generation_stop_ids(t.path, t.revision))
+    ids |= {x for x in (tok.eos_token_id, end_of_turn) if x is not None}
+    return frozenset(ids)
