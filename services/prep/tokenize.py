@@ -323,3 +323,34 @@ def run_stats(store: Any) -> dict[str, Any]:
             for k, v in d.items():
                 agg[k] += v
     return total
+
+
+#: Tokenize report counts that are totals or settings, not reasons.
+_NOT_REASONS = frozenset(
+    {"samples", "tokens", "assistant_tokens", "kept", "rows_in", "max_len_tokens"}
+)
+
+
+def run_reasons(store: Any) -> dict[str, dict[str, int]]:
+    """Every counted reason of a run, per stage, summed over shards.
+
+    - prep: rows quarantined per reason, realignments, and message fields read under an
+      alias or not known (`PrepReport`);
+    - regen: rows not regenerated per status and reason, early stops, length-cut turns;
+    - tokenize: samples dropped per reason (template cannot render tool calls, template
+      round trip, mask checks), truncations, rewritten turns, server round-trip failures,
+      stop ids other than the end-of-turn, content forms normalized.
+
+    Returns:
+        `{stage: {reason: count}}` with only non-zero counts, keys sorted.
+    """
+    out: dict[str, Counter] = {"prep": Counter(), "regen": Counter(), "tokenize": Counter()}
+    for m in store.manifests("prep"):
+        rep = m.extra.get("report", {})
+        for group in ("skipped", "realigned", "fields"):
+            out["prep"].update({f"{group}:{k}": v for k, v in rep.get(group, {}).items()})
+    for m in store.manifests("regen"):
+        out["regen"].update({k: v for k, v in m.counts.items() if ":" in k or k == "finish_length"})
+    for m in store.manifests("tokenize"):
+        out["tokenize"].update({k: v for k, v in m.counts.items() if k not in _NOT_REASONS})
+    return {st: {k: v for k, v in sorted(c.items()) if v} for st, c in out.items()}
