@@ -355,3 +355,37 @@ def test_null_content_kept_where_the_template_tells_it_from_empty(toks):
         assert r2.normalized == "tool_call_content_empty_as_null" and r2.text == r.text
     finally:
         tok.chat_template = original
+
+
+REASONING_CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a prime above 10."},
+    {"role": "assistant", "content": "11 is prime.", "reasoning_content": "Check 11: no divisor."},
+]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3_1", "qwen3", "deepseek_v3"])
+def test_template_round_trip_on_every_tokenizer(toks, name):
+    """Each turn's trained tokens decode to show its content (and its reasoning where the
+    template writes it: Qwen3 only); a span moved past the content is caught."""
+    from dataclasses import replace
+
+    from services.prep.template import render_turns, tokenize_rendered
+
+    tok = toks[name]
+    for conv in (CONV, REASONING_CONV):
+        r = render_turns(tok, conv, {})
+        ((ids, _, problem),) = tokenize_rendered(tok, [r])
+        assert problem is None
+        kinds = {k for t in r.turns for k, _ in t.expect}
+        assert kinds == (
+            {"content", "reasoning"} if conv is REASONING_CONV and name == "qwen3" else {"content"}
+        )
+        # A mask that starts after the answer's first characters fails the round trip.
+        last = r.turns[-1]
+        a, b = last.span
+        content = conv[-1]["content"]
+        shifted = replace(last, span=(r.text.index(content, a) + 3, b))
+        broken = replace(r, turns=[*r.turns[:-1], shifted])
+        ((_, _, problem),) = tokenize_rendered(tok, [broken])
+        assert problem == "round_trip_content_missing"
