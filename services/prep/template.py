@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.prep.formats import RowRejected
-from shared.chat import render_text
+from shared.chat import TemplateRenderError, render_text
 from shared.errors import ConfigError
 
 _PROBE_Q = "Eyrie probe question"
@@ -135,14 +135,10 @@ def render_row(
     Raises:
         RowRejected: `template_render_error` (the template's own exception in the detail).
     """
-    from jinja2 import TemplateError
-
     try:
         return render_text(tok, messages, kwargs, add_generation_prompt, tools)
-    except (TemplateError, TypeError, KeyError, AttributeError) as e:
-        raise RowRejected(
-            "template_render_error", "messages", f"{type(e).__name__}: {e}"[:300]
-        ) from None
+    except TemplateRenderError as e:
+        raise RowRejected("template_render_error", "messages", str(e)) from None
 
 
 def _leaves(value: Any) -> list[str]:

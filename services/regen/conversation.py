@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.regen.client import ChatClient, ChatResult, RejectedError
+from shared.chat import TemplateRenderError
 from shared.records import Conversation, Message, RegenTurn
 
 #: Outcome statuses; the job's accounting is success + error + skipped == input.
@@ -36,7 +37,8 @@ class Outcome:
     Attributes:
         status: success, error or skipped.
         reason: why not success (`prompt_too_long`, `no_user_turn`, `tool_calls`,
-            `server_rejected`), or why a success stopped early ('' = not early).
+            `server_rejected`, `template_render_error`), or why a success stopped early
+            ('' = not early).
         detail: human-readable detail (server message, token counts).
         messages: the regenerated conversation (success only).
         turns: per answer, the ids the server saw and sampled.
@@ -114,7 +116,11 @@ class Regenerator:
 
     async def _answer(self, history: list[dict], tools: list | None, out: Outcome) -> bool:
         """Append the server's answer to `history` and `out`; False when it cannot."""
-        n = self.prompt_tokens(history, tools)
+        try:
+            n = self.prompt_tokens(history, tools)
+        except TemplateRenderError as e:
+            out.reason, out.detail = "template_render_error", f"turn {len(out.turns)}: {e}"
+            return False
         if n > self.max_prompt_tokens:
             out.reason = "prompt_too_long"
             out.detail = (
