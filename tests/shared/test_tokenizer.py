@@ -88,3 +88,24 @@ def test_tokenizer_that_cannot_round_trip_is_refused(tmp_path, tokenizer_dirs):
     shutil.copy(src / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
     with pytest.raises(ConfigError, match=r"not the model's: .* decodes its ids of .* to"):
         load_tokenizer(TokenizerSpec(str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_ids_equal_the_serving_engines(tmp_path, tokenizer_dirs):
+    """vLLM's own tokenizer loader (which special-cases `model_type: deepseek_v3`) and Eyrie's
+    give the same ids on every probe for a DeepSeek-V3 model folder."""
+    from vllm.tokenizers import get_tokenizer
+
+    from shared.tokenizer import PROBES
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dirs["deepseek_v3"] / name, tmp_path / name)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+    )
+    engine = get_tokenizer(str(tmp_path))
+    ours = load_tokenizer(TokenizerSpec(str(tmp_path)))
+    for text in PROBES:
+        assert ours(text, add_special_tokens=False)["input_ids"] == engine.encode(
+            text, add_special_tokens=False
+        )
