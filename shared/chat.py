@@ -11,6 +11,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from shared.errors import InputError
+
+
+class TemplateRenderError(InputError):
+    """The chat template raised on these messages (a row the template cannot express)."""
+
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:
     """A canonical message as HF chat templates expect it.
@@ -39,16 +45,26 @@ def render_text(
     add_generation_prompt: bool,
     tools: list | None = None,
 ) -> str:
-    """The chat template applied to canonical `messages`, as text."""
+    """The chat template applied to canonical `messages`, as text.
+
+    Raises:
+        TemplateRenderError: the template raised (Qwen3 on null content, DeepSeek-V3 on
+            decoded tool-call arguments); the message holds the template's own error.
+    """
+    from jinja2 import TemplateError
+
     kwargs = dict(chat_template_kwargs)
     if tools:
         kwargs["tools"] = tools
-    return tok.apply_chat_template(
-        [template_message(m) for m in messages],
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **kwargs,
-    )
+    try:
+        return tok.apply_chat_template(
+            [template_message(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+    except (TemplateError, TypeError, KeyError, AttributeError) as e:
+        raise TemplateRenderError(f"{type(e).__name__}: {e}"[:300]) from e
 
 
 def render_ids(

@@ -172,6 +172,12 @@ class PrepConfig(Section):
     max_turn_chars: int = Field(
         200_000, gt=0, description="A single turn longer than this is quarantined."
     )
+    rewritten_turns: Literal["prefix", "mask"] = Field(
+        "prefix",
+        description="Assistant turns the chat template renders differently once later turns "
+        "exist (Qwen3 drops earlier reasoning): 'prefix' trains each from the conversation "
+        "prefix ending with it (one extra sample per turn), 'mask' masks it out; counted.",
+    )
 
 
 class RegenConfig(Section):

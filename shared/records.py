@@ -51,8 +51,12 @@ class Message(Record):
     tool_call_id: str | None = None
 
     def chat_dict(self) -> dict[str, Any]:
-        """The message as a plain dict for chat templates and requests (unset keys left out)."""
-        return self.model_dump(exclude_none=True)
+        """The message as a plain dict for chat templates and requests (unset keys left out).
+
+        `content` is always present, null where the source had null: templates such as
+        DeepSeek-V3's render tool calls only when `content is none`.
+        """
+        return {"content": self.content, **self.model_dump(exclude_none=True)}
 
 
 class Conversation(Record):
@@ -169,7 +173,12 @@ class Plan(Record):
 
 
 class PrepReport(Record):
-    """Per prep shard: rows in, kept, and counts per skip reason and realignment."""
+    """Per prep shard: rows in, kept, and counts per skip reason and realignment.
+
+    `fields` counts message fields read under another name (`reasoning_alias:thinking`) and
+    fields no adapter knows (`unknown_field:assistant.<name>`): kept rows, not dropped data
+    left unseen.
+    """
 
     rows_in: int
     kept: int
@@ -177,6 +186,9 @@ class PrepReport(Record):
     realigned: dict[str, int]
     skipped_by_source: dict[str, dict[str, int]] = Field(
         default_factory=dict, description="source dataset name -> skip reason -> rows"
+    )
+    fields: dict[str, int] = Field(
+        default_factory=dict, description="assistant message field -> rows that had it"
     )
 
 

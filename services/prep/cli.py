@@ -1,4 +1,7 @@
-"""`eyrie prep-stats RUN`: samples, tokens and assistant tokens of a run, per dataset.
+"""`eyrie prep-stats RUN`: a run's samples, tokens, assistant tokens, and counted reasons.
+
+Per dataset: samples, tokens, assistant tokens. Per stage: every counted reason
+(quarantined rows, dropped samples, template and server round-trip failures).
 
 Registered through the `eyrie.commands` entry points. Imports stay inside the command (the
 CLI must not import transformers or torch on --help).
@@ -11,7 +14,7 @@ import json
 
 
 def cmd_prep_stats(args: argparse.Namespace) -> int:
-    from services.prep.tokenize import run_stats
+    from services.prep.tokenize import run_reasons, run_stats
     from shared.artifacts import RunStore
     from shared.errors import ConfigError
     from shared.recipe import check_run_id
@@ -19,7 +22,7 @@ def cmd_prep_stats(args: argparse.Namespace) -> int:
     store = RunStore(check_run_id(args.run))
     if not store.exists():
         raise ConfigError(f"run {args.run!r}: no such run under {store.root.parent}")
-    stats = run_stats(store)
+    stats = {**run_stats(store), "reasons": run_reasons(store)}
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -35,6 +38,11 @@ def cmd_prep_stats(args: argparse.Namespace) -> int:
     for src, reasons in sorted(stats["skipped_by_source"].items()):
         shown = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
         print(f"  {src}: skipped in prep: {shown}")
+    print("reasons (counted, per stage):")
+    for stage, counts in stats["reasons"].items():
+        print(f"  {stage}: " + ("none" if not counts else ""))
+        for reason, n in counts.items():
+            print(f"    {reason}: {n}")
     return 0
 
 

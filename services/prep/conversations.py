@@ -67,6 +67,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
     skipped: Counter[str] = Counter()
     by_source: dict[str, Counter[str]] = {}
     realigned: Counter[str] = Counter()
+    fields: Counter[str] = Counter()
     rows = _read_shard(ctx)
     for d, row, raw in rows:
         meta = plan.datasets[d]
@@ -91,6 +92,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
             )
             continue
         realigned.update(adapted.realigned)
+        fields.update(adapted.fields)
         kept.append(
             Conversation.model_validate(
                 {
@@ -107,6 +109,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         skipped=dict(sorted(skipped.items())),
         realigned=dict(sorted(realigned.items())),
         skipped_by_source={s: dict(sorted(c.items())) for s, c in sorted(by_source.items())},
+        fields=dict(sorted(fields.items())),
     )
     files = ctx.store.prep.write(ctx.shard, kept, quarantined, report)
     if rows and len(kept) / len(rows) < cfg.min_kept_fraction:

@@ -2,7 +2,8 @@
 
 Canonical conversation (the prep shard format, `shared/artifacts.py`):
 `{"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?, "name"?}],
-"tools": list | None}`, roles in {system, user, assistant, tool}.
+"tools": list | None}`, roles in {system, user, assistant, tool}. `content` is null only on
+an assistant tool-call turn whose source had null (kept as is: templates tell null from "").
 
 Invariants:
 - an adapter never guesses: an unknown role, a non-string or null content, a missing field or
@@ -37,6 +38,14 @@ ROLE_ALIASES: dict[str, str] = {
     "function_call": "assistant",
 }
 
+#: Names datasets and servers use for an assistant turn's reasoning, in order of preference:
+#: `reasoning_content` (DeepSeek, vLLM < 0.10, HF templates), `reasoning` (vLLM >= 0.10,
+#: OpenRouter), `thinking` (Anthropic-style exports).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+#: Message keys the OpenAI adapter reads; any other key is counted, never silently dropped.
+MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name", *REASONING_KEYS})
+
 
 class RowRejected(Exception):
     """A row cannot become a conversation. `reason` is the counted key, `field` the culprit."""
@@ -53,6 +62,7 @@ class Adapted:
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
     realigned: Counter = field(default_factory=Counter)
+    fields: Counter = field(default_factory=Counter)
 
 
 def _text(value: Any, where: str) -> str:
@@ -159,15 +169,16 @@ def _content_parts(parts: list[Any], where: str) -> dict[str, Any]:
         if not isinstance(p, dict):
             raise RowRejected("bad_content_part", pw)
         kind = p.get("type", "text")
+        if kind not in ("text", "reasoning", "tool_call"):
+            # image_url, input_audio, video, file, ...: named, not reported as null text
+            raise RowRejected(f"unsupported_content_part:{str(kind)[:32]}", f"{pw}.type")
         value = _text(p.get("text", p.get("value")), f"{pw}.text")
         if kind == "text":
             text.append(value)
         elif kind == "reasoning":
             reasoning.append(value)
-        elif kind == "tool_call":
-            calls.append(_tool_call(value, f"{pw}.value"))
         else:
-            raise RowRejected(f"unsupported_content_part:{str(kind)[:32]}", f"{pw}.type")
+            calls.append(_tool_call(value, f"{pw}.value"))
     out: dict[str, Any] = {"content": "".join(text)}
     if reasoning:
         out["reasoning_content"] = "".join(reasoning)
@@ -179,9 +190,12 @@ def _content_parts(parts: list[Any], where: str) -> dict[str, Any]:
 def adapt_openai(row: dict[str, Any]) -> Adapted:
     """OpenAI `messages` [{role, content, tool_calls?, name?, reasoning_content?}] + `tools`.
 
-    `content` may be a string, null (only with tool_calls), or a list of parts.
+    `content` may be a string, null (only with tool_calls, kept null), or a list of parts.
+    Reasoning is read under any of `REASONING_KEYS` (an alias counted); keys outside
+    `MESSAGE_KEYS` are counted per role and name.
     """
     msgs: list[dict[str, Any]] = []
+    fields: Counter = Counter()
     for i, m in enumerate(_field(row, "messages", list)):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -191,7 +205,8 @@ def adapt_openai(row: dict[str, Any]) -> Adapted:
         if isinstance(content, list):
             msg: dict[str, Any] = {"role": role, **_content_parts(content, f"{where}.content")}
         elif content is None and m.get("tool_calls"):
-            msg = {"role": role, "content": ""}
+            # Kept null: some templates render the calls only for null content (DeepSeek-V3).
+            msg = {"role": role, "content": None}
         else:
             msg = {"role": role, "content": _text(content, f"{where}.content")}
         if m.get("tool_calls"):
@@ -201,12 +216,17 @@ def adapt_openai(row: dict[str, Any]) -> Adapted:
             msg["tool_calls"] = msg.get("tool_calls", []) + [
                 _tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)
             ]
-        if m.get("reasoning_content") is not None:
-            msg["reasoning_content"] = _text(m["reasoning_content"], f"{where}.reasoning_content")
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        key = next((k for k in REASONING_KEYS if m.get(k) is not None), None)
+        if key is not None and "reasoning_content" not in msg:
+            msg["reasoning_content"] = _text(m[key], f"{where}.{key}")
+            if key != "reasoning_content":
+                fields[f"reasoning_alias:{key}"] += 1
+        for k in ("name", "tool_call_id"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        fields.update(f"unknown_field:{role}.{str(k)[:32]}" for k in m if k not in MESSAGE_KEYS)
         msgs.append(msg)
-    return Adapted(msgs, _parse_tools(row.get("tools"), "tools"))
+    return Adapted(msgs, _parse_tools(row.get("tools"), "tools"), fields=fields)
 
 
 def _pair(prompt: str, answer: str, system: Any = None) -> Adapted:
@@ -287,7 +307,7 @@ def normalize(adapted: Adapted, max_turn_chars: int) -> Adapted:
     if not msgs:
         raise RowRejected("empty_conversation", "messages")
     for i, m in enumerate(msgs):
-        size = len(m["content"]) + len(m.get("reasoning_content", ""))
+        size = len(m["content"] or "") + len(m.get("reasoning_content") or "")
         if size > max_turn_chars:
             raise RowRejected(
                 "turn_too_long",
@@ -315,7 +335,7 @@ def normalize(adapted: Adapted, max_turn_chars: int) -> Adapted:
             raise RowRejected("system_not_first", f"messages[{i}].role")
         if (
             m["role"] == "assistant"
-            and not m["content"].strip()
+            and not (m["content"] or "").strip()
             and not m.get("tool_calls")
             and not m.get("reasoning_content")
         ):

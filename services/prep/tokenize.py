@@ -5,11 +5,16 @@ Two inputs:
   template and masked (`services.prep.template`);
 - regenerated conversations: the server's own ids. `input_ids` = last turn's
   `prompt_token_ids` + `completion_token_ids`; mask 1 on the completion. vLLM includes the
-  stop token in `token_ids` when it stops on EOS; if `finish_reason == "stop"` and the
-  completion does not end with the end-of-turn id, that id is appended (mask 1), counted.
+  stop token in `token_ids` when it stops on one; a completion ending with any of the
+  target's stop ids (generation config + tokenizer + template end-of-turn: Llama-3.1's
+  `<|eom_id|>` as much as `<|eot_id|>`) is kept as is, nothing appended after it; only a
+  `stop` finish with no stop id at all gets the end-of-turn id appended (mask 1), counted.
   Earlier assistant turns inside the prompt get the local prefix-render mask only if the
   local render's ids equal the server's prompt ids; otherwise they get 0 (counted
-  `prompt_render_mismatch`), so a local and a server tokenization are never mixed.
+  `prompt_render_mismatch`), so a local and a server tokenization are never mixed. The server
+  round trip (`server_round_trip`) checks every earlier turn: where the server's next prompt
+  does not hold the ids it sampled, each earlier turn is trained from its own prompt and
+  completion instead.
 
 Then truncation to `prep.max_len_tokens` (counted) and the `0 < mask.sum() < len` check
 (dropped and counted per reason in the shard's report).
@@ -21,11 +26,20 @@ from collections import Counter
 from typing import Any
 
 from services.prep.formats import RowRejected
-from services.prep.template import check_mask, mask_spans, tokenize_spans, turn_end
+from services.prep.template import (
+    Rendered,
+    check_mask,
+    mask_spans,
+    prefix_turn,
+    render_turns,
+    tokenize_rendered,
+    tokenize_spans,
+    turn_end,
+)
 from shared.artifacts import TokenizedSample
-from shared.records import Conversation, RegenRecord
+from shared.records import Conversation, RegenRecord, RegenTurn
 from shared.stage import HOUR_S, PER_PLAN_SHARD, ShardResult, StageContext, stage
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import load_tokenizer, stop_ids
 
 #: Conversations rendered and tokenized per tokenizer batch call.
 TOKENIZE_BATCH = 64
@@ -45,29 +59,54 @@ def finish(sample: TokenizedSample, max_len: int, counts: Counter) -> TokenizedS
     return sample
 
 
+def _renders(
+    tok: Any, row: Conversation, kwargs: dict, rewritten: str, counts: Counter
+) -> list[tuple[str, Rendered]]:
+    """`(sample id, render)` of one conversation.
+
+    The whole conversation, and with policy 'prefix' one prefix render per turn the template
+    rewrites once later turns exist.
+    """
+    msgs = row.chat_messages()
+    whole = render_turns(tok, msgs, kwargs, row.tools)
+    if whole.normalized:
+        counts[whole.normalized] += 1
+    out = [(row.id, whole)]
+    for i in whole.rewritten:
+        counts[f"rewritten_turn_{'prefix_sample' if rewritten == 'prefix' else 'masked'}"] += 1
+        if rewritten == "prefix":
+            out.append((f"{row.id}#{i}", prefix_turn(tok, msgs, i, kwargs, row.tools)))
+    return out
+
+
 def from_conversations(
-    tok: Any, rows: list[Conversation], kwargs: dict, max_len: int, counts: Counter
+    tok: Any,
+    rows: list[Conversation],
+    kwargs: dict,
+    max_len: int,
+    counts: Counter,
+    rewritten: str = "prefix",
 ) -> list[TokenizedSample]:
     """Render, mask and tokenize conversations in one tokenizer batch.
 
-    Rejected rows are counted in `counts["dropped:<reason>"]`.
+    Each sample passes the template round trip (its trained tokens decode to show each turn's
+    content, kept reasoning and tool calls). Rejected rows and samples are counted in
+    `counts["dropped:<reason>"]`; turns the template rewrites follow `rewritten`
+    (`prep.rewritten_turns`).
     """
-    texts, spans, kept = [], [], []
+    renders: list[tuple[Conversation, str, Rendered]] = []
     for row in rows:
         try:
-            text, sp = mask_spans(tok, row.chat_messages(), kwargs, row.tools)
+            renders += [(row, sid, r) for sid, r in _renders(tok, row, kwargs, rewritten, counts)]
         except RowRejected as e:
             counts[f"dropped:{e.reason}"] += 1
-            continue
-        texts.append(text)
-        spans.append(sp)
-        kept.append(row)
     out = []
-    for row, (ids, mask) in zip(kept, tokenize_spans(tok, texts, spans), strict=True):
+    done = tokenize_rendered(tok, [r for _, _, r in renders])
+    for (row, sid, _), (ids, mask, problem) in zip(renders, done, strict=True):
         try:
-            out.append(
-                finish(TokenizedSample(row.id, row.id, row.source, ids, mask), max_len, counts)
-            )
+            if problem:
+                raise RowRejected(problem, sid)
+            out.append(finish(TokenizedSample(sid, row.id, row.source, ids, mask), max_len, counts))
         except RowRejected as e:
             counts[f"dropped:{e.reason}"] += 1
     return out
@@ -94,32 +133,97 @@ def _regen_prompt_mask(
     return [0] * len(prompt)
 
 
+def server_round_trip(turns: list[RegenTurn]) -> list[int]:
+    """The server round trip: the regenerated turns whose sampled ids the next prompt lacks.
+
+    Turn j passes when turn j+1's prompt ids (the server's own render of the conversation so
+    far) start with turn j's prompt ids followed by every id turn j sampled, its stop id
+    included. A turn fails where the template rewrites it (Qwen3 drops its reasoning), closes
+    it with another stop id (Llama-3.1 `<|eom_id|>` re-rendered as `<|eot_id|>`), or the
+    server re-tokenizes its text into other ids.
+
+    Returns:
+        Indices j < len(turns) - 1 of the failing turns, ascending.
+    """
+    bad = []
+    for j in range(len(turns) - 1):
+        sampled = [*turns[j].prompt_token_ids, *turns[j].completion_token_ids]
+        if list(turns[j + 1].prompt_token_ids[: len(sampled)]) != sampled:
+            bad.append(j)
+    return bad
+
+
+def _completion(
+    turn: RegenTurn, eot: int | None, stops: frozenset[int], counts: Counter
+) -> list[int]:
+    """A turn's sampled ids as trained.
+
+    Kept as the server returned them, ending with the stop id it stopped on; the end-of-turn
+    id is appended only where a `stop` finish returned no stop id at all (`eot_appended`).
+    """
+    ids = [int(x) for x in turn.completion_token_ids]
+    if ids and ids[-1] in stops:
+        if ids[-1] != eot:
+            counts[f"stopped_on:{ids[-1]}"] += 1
+    elif turn.finish_reason == "stop" and eot is not None:
+        ids.append(eot)
+        counts["eot_appended"] += 1
+    return ids
+
+
 def from_regen(
-    tok: Any, rec: RegenRecord, kwargs: dict, max_len: int, counts: Counter
-) -> TokenizedSample:
-    """One regenerated conversation → a sample built from the server's token ids.
+    tok: Any,
+    rec: RegenRecord,
+    kwargs: dict,
+    max_len: int,
+    counts: Counter,
+    stops: frozenset[int] = frozenset(),
+) -> list[TokenizedSample]:
+    """One regenerated conversation → samples built from the server's token ids only.
+
+    The last turn's prompt + completion is one sample. Earlier turns are trained inside its
+    prompt (local prefix-render mask, when the local render equals the server's prompt ids)
+    if every one passes `server_round_trip`; otherwise the prompt is masked 0 and each earlier
+    turn becomes its own sample `<id>#<turn>` of its prompt + completion, exactly as the
+    server produced them (counted `server_round_trip_failed`, `turn_samples`).
+
+    Args:
+        stops: every id the server stops on (`shared.tokenizer.stop_ids`); the template's
+            end-of-turn is among them.
 
     Raises:
-        RowRejected: no turns, or the mask check fails.
+        RowRejected: no turns, or the last sample fails the mask check. Earlier-turn samples
+            that fail it are counted as dropped.
     """
     if not rec.turns:
         raise RowRejected("regen_no_turns", "turns")
+    eot = turn_end(tok, kwargs).token_id
+    stops = stops | ({eot} if eot is not None else set())
     last = rec.turns[-1]
     prompt = [int(x) for x in last.prompt_token_ids]
-    completion = [int(x) for x in last.completion_token_ids]
-    eot = turn_end(tok, kwargs).token_id
-    if (
-        last.finish_reason == "stop"
-        and eot is not None
-        and (not completion or completion[-1] != eot)
-    ):
-        completion.append(eot)
-        counts["eot_appended"] += 1
-    prompt_mask = _regen_prompt_mask(tok, rec, len(rec.turns) - 1, prompt, kwargs, counts)
+    completion = _completion(last, eot, stops, counts)
+    bad = server_round_trip(rec.turns)
+    out = []
+    if bad:
+        counts["server_round_trip_failed"] += len(bad)
+        prompt_mask = [0] * len(prompt)
+        for j, turn in enumerate(rec.turns[:-1]):
+            p = [int(x) for x in turn.prompt_token_ids]
+            c = _completion(turn, eot, stops, counts)
+            sample = TokenizedSample(
+                f"{rec.id}#{j}", rec.id, rec.source, p + c, [0] * len(p) + [1] * len(c)
+            )
+            try:
+                out.append(finish(sample, max_len, counts))
+                counts["turn_samples"] += 1
+            except RowRejected as e:
+                counts[f"dropped:{e.reason}"] += 1
+    else:
+        prompt_mask = _regen_prompt_mask(tok, rec, len(rec.turns) - 1, prompt, kwargs, counts)
     sample = TokenizedSample(
         rec.id, rec.id, rec.source, prompt + completion, prompt_mask + [1] * len(completion)
     )
-    return finish(sample, max_len, counts)
+    return [finish(sample, max_len, counts), *out]
 
 
 def token_stats(samples: list[TokenizedSample]) -> dict[str, Any]:
@@ -143,6 +247,7 @@ def _samples(ctx: StageContext, tok: Any, counts: Counter) -> list[TokenizedSamp
         else store.dedup.conversations(ctx.shard)
     )
     counts["rows_in"] = len(rows)
+    stops = stop_ids(recipe, tok, turn_end(tok, kwargs).token_id)
     out: list[TokenizedSample] = []
     with ctx.progress(len(rows), "rows") as bar:
         for i in range(0, len(rows), TOKENIZE_BATCH):
@@ -150,11 +255,13 @@ def _samples(ctx: StageContext, tok: Any, counts: Counter) -> list[TokenizedSamp
             if recipe.regen.enabled:
                 for rec in batch:
                     try:
-                        out.append(from_regen(tok, rec, kwargs, max_len, counts))
+                        out += from_regen(tok, rec, kwargs, max_len, counts, stops)
                     except RowRejected as e:
                         counts[f"dropped:{e.reason}"] += 1
             else:
-                out += from_conversations(tok, batch, kwargs, max_len, counts)
+                out += from_conversations(
+                    tok, batch, kwargs, max_len, counts, recipe.prep.rewritten_turns
+                )
             bar.update(len(batch))
     return out
 
@@ -231,3 +338,34 @@ def run_stats(store: Any) -> dict[str, Any]:
             for k, v in d.items():
                 agg[k] += v
     return total
+
+
+#: Tokenize report counts that are totals or settings, not reasons.
+_NOT_REASONS = frozenset(
+    {"samples", "tokens", "assistant_tokens", "kept", "rows_in", "max_len_tokens"}
+)
+
+
+def run_reasons(store: Any) -> dict[str, dict[str, int]]:
+    """Every counted reason of a run, per stage, summed over shards.
+
+    - prep: rows quarantined per reason, realignments, and message fields read under an
+      alias or not known (`PrepReport`);
+    - regen: rows not regenerated per status and reason, early stops, length-cut turns;
+    - tokenize: samples dropped per reason (template cannot render tool calls, template
+      round trip, mask checks), truncations, rewritten turns, server round-trip failures,
+      stop ids other than the end-of-turn, content forms normalized.
+
+    Returns:
+        `{stage: {reason: count}}` with only non-zero counts, keys sorted.
+    """
+    out: dict[str, Counter] = {"prep": Counter(), "regen": Counter(), "tokenize": Counter()}
+    for m in store.manifests("prep"):
+        rep = m.extra.get("report", {})
+        for group in ("skipped", "realigned", "fields"):
+            out["prep"].update({f"{group}:{k}": v for k, v in rep.get(group, {}).items()})
+    for m in store.manifests("regen"):
+        out["regen"].update({k: v for k, v in m.counts.items() if ":" in k or k == "finish_length"})
+    for m in store.manifests("tokenize"):
+        out["tokenize"].update({k: v for k, v in m.counts.items() if k not in _NOT_REASONS})
+    return {st: {k: v for k, v in sorted(c.items()) if v} for st, c in out.items()}

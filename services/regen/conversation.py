@@ -27,6 +27,7 @@ from typing import Any
 
 from services.regen.client import ChatClient, ChatResult, RejectedError
 from services.regen.quality import AnswerPolicy
+from shared.chat import TemplateRenderError
 from shared.records import Conversation, Message, RegenTurn
 
 #: Outcome statuses; the job's accounting is success + error + skipped == input.
@@ -40,7 +41,8 @@ class Outcome:
     Attributes:
         status: success, error or skipped.
         reason: why not success (`prompt_too_long`, `no_user_turn`, `tool_calls`,
-            `server_rejected`), or why a success stopped early ('' = not early).
+            `server_rejected`, `template_render_error`), or why a success stopped early
+            ('' = not early).
         detail: human-readable detail (server message, token counts).
         messages: the regenerated conversation (success only).
         turns: per answer, the ids the server saw and sampled.
@@ -59,7 +61,9 @@ class Outcome:
 
 def request_message(m: Message) -> dict[str, Any]:
     """A canonical message as sent to the server (role, content, and tool fields)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    # null content kept only on a tool-call turn, where the OpenAI API allows it
+    content = m.content if m.tool_calls else (m.content or "")
+    out: dict[str, Any] = {"role": m.role, "content": content}
     d = m.chat_dict()
     for key in ("name", "tool_calls", "tool_call_id"):
         if d.get(key):
@@ -124,7 +128,11 @@ class Regenerator:
 
     async def _answer(self, history: list[dict], tools: list | None, out: Outcome) -> bool:
         """Append the server's answer to `history` and `out`; False when it cannot."""
-        n = self.prompt_tokens(history, tools)
+        try:
+            n = self.prompt_tokens(history, tools)
+        except TemplateRenderError as e:
+            out.reason, out.detail = "template_render_error", f"turn {len(out.turns)}: {e}"
+            return False
         if n > self.max_prompt_tokens:
             out.reason = "prompt_too_long"
             out.detail = (

@@ -233,3 +233,61 @@ def test_qa_presets_adapters():
     assert _norm("gsm8k", {"question": "1+1?", "answer": "2"}).messages[1]["content"] == "2"
     assert _norm("math", {"problem": "p", "solution": "s"}).messages[0]["content"] == "p"
     assert _norm("opencodeinstruct", {"input": "i", "output": "o"}).messages[1]["content"] == "o"
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "thinking"])
+def test_reasoning_read_under_its_aliases(key):
+    """vLLM >= 0.10 and OpenRouter name it `reasoning`, Anthropic-style exports `thinking`;
+    each becomes reasoning_content (it was dropped silently), an alias is counted, and a key
+    no adapter knows is counted per role instead of vanishing unseen."""
+    row = {
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", key: "Two plus two.", "signature": "x"},
+        ]
+    }
+    a = _norm("openai", row)
+    want = {"role": "assistant", "content": "4", "reasoning_content": "Two plus two."}
+    assert a.messages[1] == want
+    expected = {"unknown_field:assistant.signature": 1}
+    if key != "reasoning_content":
+        expected[f"reasoning_alias:{key}"] = 1
+    assert a.fields == expected
+
+
+@pytest.mark.parametrize(
+    "part,kind",
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "image_url"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "input_audio"),
+    ],
+)
+def test_multimodal_row_quarantined_under_its_part_type(part, kind):
+    """OpenAI vision/audio rows (parts without text) were quarantined as `null_content`."""
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]},
+            {"role": "assistant", "content": "A cat."},
+        ]
+    }
+    assert _reason("openai", row) == (
+        f"unsupported_content_part:{kind}",
+        "messages[0].content[1].type",
+    )
+
+
+def test_null_tool_call_content_is_kept_null():
+    openai_row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "assistant", "content": "done"},
+        ]
+    }
+    b = _norm("openai", openai_row)
+    assert b.messages[1]["content"] is None and b.messages[2]["tool_call_id"] == "c1"

@@ -389,3 +389,42 @@ def test_prep_stats_command(tmp_path, data_dir, smollm2_path, capsys):
     out = capsys.readouterr().out
     # SmolLM2 ChatML with its default system prompt: "Hello there<|im_end|>" is 3 tokens.
     assert out.startswith("1 samples, ") and "3 assistant tokens" in out
+
+
+def test_prep_stats_lists_every_reason(tmp_path, data_dir, smollm2_path, capsys):
+    """A tool call SmolLM2's template cannot print, an image part, reasoning under
+    `thinking`: each is counted under its reason, by stage, in prep-stats."""
+    from services.conductor.cli import main
+    from tests.prep.test_template import WEATHER_ROW
+
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    rows = [
+        WEATHER_ROW,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]},
+                {"role": "assistant", "content": "A cat."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "thinking": "Two and two."},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]},
+    ]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    store = RunStore.create(make_recipe(smollm2_path, [{"path": str(path)}]))
+    run_all(store)
+    assert main(["prep-stats", store.run_id, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["samples"] == 2
+    assert stats["reasons"]["prep"] == {
+        "fields:reasoning_alias:thinking": 1,
+        "skipped:unsupported_content_part:image_url": 1,
+    }
+    assert stats["reasons"]["tokenize"] == {"dropped:template_cannot_render_tool_calls": 1}
+    assert main(["prep-stats", store.run_id]) == 0
+    out = capsys.readouterr().out
+    assert "    dropped:template_cannot_render_tool_calls: 1\n" in out

@@ -42,11 +42,21 @@ def toks(smollm2_path, tokenizer_dirs):
     return {k: load_tokenizer(TokenizerSpec(str(v))) for k, v in paths.items()}
 
 
-def _pieces(tok, pieces):
-    """Expected (ids, mask) from literal (text, trainable) pieces, each tokenized alone."""
+@pytest.fixture(scope="module")
+def raw_files(smollm2_path, tokenizer_dirs):
+    """The models' own tokenizer.json files, through `tokenizers` alone (not the loader)."""
+    from tokenizers import Tokenizer
+
+    paths = {"smollm2": smollm2_path, **tokenizer_dirs}
+    return {k: Tokenizer.from_file(str(v / "tokenizer.json")) for k, v in paths.items()}
+
+
+def _pieces(raw, pieces):
+    """Expected (ids, mask) from literal (text, trainable) pieces, each tokenized alone by
+    the raw tokenizer.json (so a loader that changes the ids cannot agree with itself)."""
     ids, mask = [], []
     for text, trainable in pieces:
-        piece = tok(text, add_special_tokens=False)["input_ids"]
+        piece = raw.encode(text, add_special_tokens=False).ids
         ids += piece
         mask += [int(trainable)] * len(piece)
     return ids, mask
@@ -99,9 +109,9 @@ SMOL_SYS = (
         ),
     ],
 )
-def test_mask_written_from_template_text(toks, name, pieces):
+def test_mask_written_from_template_text(toks, raw_files, name, pieces):
     ids, mask = assistant_mask(toks[name], CONV, {})
-    exp_ids, exp_mask = _pieces(toks[name], pieces)
+    exp_ids, exp_mask = _pieces(raw_files[name], pieces)
     assert ids == exp_ids
     assert mask == exp_mask
 
@@ -123,7 +133,10 @@ def test_no_double_bos(toks):
 )
 def test_qwen3_matches_specforge_golden(toks, ref):
     """Every position matches SpecForge's golden mask except the newline after each
-    <|im_end|> in an assistant turn: SpecForge marks it 1, Eyrie 0 (convention §4)."""
+    <|im_end|> in an assistant turn: SpecForge marks it 1, Eyrie 0 (convention §4); and an
+    earlier turn whose reasoning the template drops once a later turn exists: SpecForge
+    trains it as header -> answer, which the target never generated; Eyrie masks it here (and
+    trains it from its own prefix, `test_rewritten_turn_trained_from_its_prefix`)."""
     inputs = json.loads((GOLDEN / "inputs.json").read_text())
     meta = inputs["references"][ref]
     template = inputs["templates"][meta["template"]]
@@ -139,16 +152,25 @@ def test_qwen3_matches_specforge_golden(toks, ref):
     skipped_gold = [gold["loss_mask"][i] for i in sorted(skip)]
     assert 1 in skipped_gold  # the differing positions really are there
     assert all(mask[i] == 0 for i in skip)
+    dropped = [
+        m["content"] + "<|im_end|>"
+        for k, m in enumerate(conv)
+        if m.get("reasoning_content") and any(x["role"] == "user" for x in conv[k + 1 :])
+    ]
+    rewritten = [i for i in range(len(ids)) if gold["loss_mask"][i] and not mask[i]]
+    rewritten = [i for i in rewritten if i not in skip]
+    assert toks["qwen3"].decode([ids[i] for i in rewritten]) == "".join(dropped)
+    skip |= set(rewritten)
     assert [m for i, m in enumerate(mask) if i not in skip] == [
         m for i, m in enumerate(gold["loss_mask"]) if i not in skip
     ]
 
 
-def test_qwen3_enable_thinking_false_masks_injected_block(toks):
+def test_qwen3_enable_thinking_false_masks_injected_block(toks, raw_files):
     tok = toks["qwen3"]
     ids, mask = assistant_mask(tok, CONV, {"enable_thinking": False})
     exp_ids, exp_mask = _pieces(
-        tok,
+        raw_files["qwen3"],
         [
             ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
             ("Hello there<|im_end|>", 1),
@@ -159,6 +181,33 @@ def test_qwen3_enable_thinking_false_masks_injected_block(toks):
         ],
     )
     assert (ids, mask) == (exp_ids, exp_mask)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}])
+def test_rewritten_turn_trained_from_its_prefix(toks, raw_files, kwargs):
+    """Qwen3 drops turn 1's reasoning once turn 2 exists. The whole conversation masks
+    turn 1; the prefix ending with turn 1 trains it with the reasoning the target wrote."""
+    from services.prep.template import prefix_turn, render_turns, tokenize_rendered
+
+    tok = toks["qwen3"]
+    conv = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Add two and two."},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "Add three and three."},
+    ]
+    whole = render_turns(tok, conv, kwargs)
+    assert whole.rewritten == [1] and [t.message for t in whole.turns] == [3]
+    ((ids, mask, problem),) = tokenize_rendered(tok, [prefix_turn(tok, conv, 1, kwargs)])
+    exp_ids, exp_mask = _pieces(
+        raw_files["qwen3"],
+        [
+            ("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("<think>\nAdd two and two.\n</think>\n\n4<|im_end|>", 1),
+            ("\n", 0),
+        ],
+    )
+    assert (ids, mask, problem) == (exp_ids, exp_mask, None)
 
 
 def test_turn_end_found_per_template(toks):
@@ -207,3 +256,136 @@ def test_turn_closed_by_another_token_is_rejected_not_swallowed(toks):
         assert e.value.reason == "no_end_of_turn" and e.value.field == "messages[1]"
     finally:
         tok.chat_template = original
+
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+WEATHER_ROW = {
+    "messages": [
+        {"role": "user", "content": "What's the weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": 3}'},
+        {"role": "assistant", "content": "It is 3 °C in Oslo."},
+    ],
+    "tools": WEATHER_TOOLS,
+}
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3_1", "deepseek_v3"])
+def test_tool_call_a_template_cannot_render_is_rejected(toks, name):
+    """SmolLM2's and the shipped Llama-3.1 template print no tool calls (the call turn was
+    trained as a lone end-of-turn); DeepSeek-V3's prints them only for null content and
+    concatenates the arguments as text, so it raises on the decoded arguments vLLM passes."""
+    from services.prep.formats import normalize
+
+    a = normalize(adapt_openai(WEATHER_ROW), 10**6)
+    assert a.messages[1]["content"] is None  # kept as the source had it
+    with pytest.raises(RowRejected) as e:
+        assistant_mask(toks[name], a.messages, {}, a.tools)
+    assert e.value.reason == "template_cannot_render_tool_calls"
+    assert e.value.field == "messages[1].tool_calls"
+
+
+def test_tool_call_rendered_by_qwen3_is_trained(toks, raw_files):
+    """Qwen3 raises on null content ('</think>' in None), renders the call with "": the
+    call turn is trained as <tool_call> JSON, counted as normalized."""
+    from services.prep.formats import normalize
+    from services.prep.template import render_turns
+
+    a = normalize(adapt_openai(WEATHER_ROW), 10**6)
+    r = render_turns(toks["qwen3"], a.messages, {}, a.tools)
+    assert r.normalized == "tool_call_content_null_as_empty"
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert [r.text[x:y] for x, y in r.spans] == [
+        call + "<|im_end|>",
+        "It is 3 °C in Oslo.<|im_end|>",
+    ]
+    ids, mask = assistant_mask(toks["qwen3"], a.messages, {}, a.tools)
+    trained = raw_files["qwen3"].decode([i for i, m in zip(ids, mask, strict=True) if m], False)
+    assert trained == call + "<|im_end|>It is 3 °C in Oslo.<|im_end|>"
+
+
+def test_null_content_kept_where_the_template_tells_it_from_empty(toks):
+    """A template (DeepSeek-V3's rule, with tojson arguments) that renders calls only when
+    content is null: the source's null is kept and the call is trained. The same row with ""
+    (what normalizing null gave before) renders without the call; it is rendered with null
+    instead, and counted, never trained as an empty turn."""
+    from services.prep.formats import normalize
+    from services.prep.template import render_turns
+
+    tok = toks["smollm2"]
+    original = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' and m['content'] is none %}"
+        "{% for c in m['tool_calls'] %}{{ 'CALL ' + c['function']['name'] + ' ' "
+        "+ c['function']['arguments'] | tojson }}{% endfor %}"
+        "{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    try:
+        a = normalize(adapt_openai(WEATHER_ROW), 10**6)
+        r = render_turns(tok, a.messages, {"probe": 2}, a.tools)
+        assert r.normalized == ""
+        assert r.text[slice(*r.spans[0])] == 'CALL get_weather {"city": "Oslo"}<|im_end|>'
+        a.messages[1]["content"] = ""
+        r2 = render_turns(tok, a.messages, {"probe": 2}, a.tools)
+        assert r2.normalized == "tool_call_content_empty_as_null" and r2.text == r.text
+    finally:
+        tok.chat_template = original
+
+
+REASONING_CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a prime above 10."},
+    {"role": "assistant", "content": "11 is prime.", "reasoning_content": "Check 11: no divisor."},
+]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3_1", "qwen3", "deepseek_v3"])
+def test_template_round_trip_on_every_tokenizer(toks, name):
+    """Each turn's trained tokens decode to show its content (and its reasoning where the
+    template writes it: Qwen3 only); a span moved past the content is caught."""
+    from dataclasses import replace
+
+    from services.prep.template import render_turns, tokenize_rendered
+
+    tok = toks[name]
+    for conv in (CONV, REASONING_CONV):
+        r = render_turns(tok, conv, {})
+        ((ids, _, problem),) = tokenize_rendered(tok, [r])
+        assert problem is None
+        kinds = {k for t in r.turns for k, _ in t.expect}
+        assert kinds == (
+            {"content", "reasoning"} if conv is REASONING_CONV and name == "qwen3" else {"content"}
+        )
+        # A mask that starts after the answer's first characters fails the round trip.
+        last = r.turns[-1]
+        a, b = last.span
+        content = conv[-1]["content"]
+        shifted = replace(last, span=(r.text.index(content, a) + 3, b))
+        broken = replace(r, turns=[*r.turns[:-1], shifted])
+        ((_, _, problem),) = tokenize_rendered(tok, [broken])
+        assert problem == "round_trip_content_missing"
