@@ -12,7 +12,8 @@ the conductor starts can never drift apart. Mode-specific inputs come from the e
   EYRIE_SERVE_DRAFT      eagle3: the exported draft folder, /data/runs/<run_id>/export/vllm
   EYRIE_SERVE_HS_DIR     extract: where hidden states are written (on the runs volume)
 
-An eagle3 start runs the same preflight as the conductor (`shared.vllm.preflight_eagle3`) first.
+Every start runs the same preflight as the conductor (`shared.vllm.preflight_launch`) on the
+final arguments first.
 The server binds 0.0.0.0 on the mode's recipe port (serve.port, serve.eagle3_port); the port
 goes to PORT_FILE for the compose healthcheck. `--print` prints the command instead of
 running it. Exit code 2 and a message naming the variable on bad input.
@@ -72,10 +73,10 @@ def command() -> list[str]:
                     "VLLM_MODE=eagle3 needs EYRIE_SERVE_DRAFT: the exported draft folder, "
                     "/data/runs/<run_id>/export/vllm (`eyrie status` lists runs)"
                 )
-            vllm.preflight_eagle3(recipe, draft, vllm.speculative_config(recipe, mode, draft) or {})
         hs_dir = _optional_dir("EYRIE_SERVE_HS_DIR") or Path("/data/vllm-hidden-states")
         port = vllm.mode_port(recipe, mode)
         args = vllm.vllm_args(recipe, mode, draft, port, hs_dir, host="0.0.0.0")
+        vllm.preflight_launch(recipe, mode, draft, args)
     except EyrieError as e:
         _die(f"VLLM_MODE={mode}: {e}")
     return [*API_SERVER, *args]

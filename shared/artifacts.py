@@ -427,7 +427,10 @@ class TokenizeArtifacts(_Stage):
         ds = datasets.Dataset(table, fingerprint=h.hexdigest()[:16])
         path = self.dataset_path(shard)
         with atomic_path(path) as tmp:
-            ds.save_to_disk(str(tmp))
+            # An empty dataset is saved with no arrow file unless a shard count is given,
+            # and `load_from_disk` then fails (IndexError): a shard whose every row was
+            # dropped must still load, as zero rows.
+            ds.save_to_disk(str(tmp), num_shards=1 if len(samples) == 0 else None)
         return [path, atomic_write_json(self.report_path(shard), report)]
 
     def dataset(self, shard: int) -> datasets.Dataset:

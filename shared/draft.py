@@ -55,7 +55,9 @@ class DraftSpec:
         hidden_size: H, the draft's hidden size.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: the decoder
             layer's shape.
-        rms_norm_eps, rope_theta, max_position_embeddings: copied from the target.
+        hidden_act, rms_norm_eps, max_position_embeddings: the draft layer's, as trained.
+        rope_parameters: the standardized RoPE dict the draft trained with (`rope_type`,
+            `rope_theta` and the type's keys; `shared.target.normalize_config`).
         norm_before_residual, norm_before_fc, fc_norm, norm_output: architecture flags.
         verifier: the target path or hub id this draft speculates for.
         meta: extra provenance (recipe hash, training summary) stored under config `eyrie`.
@@ -71,15 +73,57 @@ class DraftSpec:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
+    hidden_act: str
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
     verifier: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_layer_config(
+        cls,
+        layer: dict[str, Any],
+        *,
+        target_hidden_size: int,
+        target_num_layers: int,
+        aux_layer_ids: list[int],
+        draft_vocab_size: int,
+        verifier: str,
+        **overrides: Any,
+    ) -> DraftSpec:
+        """The spec of a draft whose decoder layer has config `layer`.
+
+        Args:
+            layer: the draft layer's `LlamaConfig` as a dict (a trained speculators model's
+                `config.transformer_layer_config.to_dict()`, or `layer_config_from_target`);
+                its `vocab_size` is the target vocab.
+            overrides: other DraftSpec fields (norm flags, `meta`).
+        """
+        spec = cls(
+            target_vocab_size=int(layer["vocab_size"]),
+            target_hidden_size=target_hidden_size,
+            target_num_layers=target_num_layers,
+            aux_layer_ids=list(aux_layer_ids),
+            draft_vocab_size=draft_vocab_size,
+            hidden_size=int(layer["hidden_size"]),
+            intermediate_size=int(layer["intermediate_size"]),
+            num_attention_heads=int(layer["num_attention_heads"]),
+            num_key_value_heads=int(layer["num_key_value_heads"]),
+            head_dim=int(layer["head_dim"]),
+            hidden_act=str(layer["hidden_act"]),
+            rms_norm_eps=float(layer["rms_norm_eps"]),
+            rope_parameters=_standard_rope(layer["rope_parameters"]),
+            max_position_embeddings=int(layer["max_position_embeddings"]),
+            verifier=verifier,
+        )
+        for k, v in overrides.items():
+            setattr(spec, k, v)
+        return spec
 
     @classmethod
     def from_target_config(
@@ -90,31 +134,43 @@ class DraftSpec:
         verifier: str,
         **overrides: Any,
     ) -> DraftSpec:
-        """A draft shaped like one decoder layer of the target (`config.json` dict)."""
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        spec = cls(
-            target_vocab_size=cfg["vocab_size"],
-            target_hidden_size=cfg["hidden_size"],
-            target_num_layers=cfg["num_hidden_layers"],
-            aux_layer_ids=list(aux_layer_ids),
+        """A draft shaped like one decoder layer of the target.
+
+        `cfg` is the target's normalized config (`shared.target.normalize_config`).
+        """
+        return cls.from_layer_config(
+            layer_config_from_target(cfg),
+            target_hidden_size=int(cfg["hidden_size"]),
+            target_num_layers=int(cfg["num_hidden_layers"]),
+            aux_layer_ids=aux_layer_ids,
             draft_vocab_size=draft_vocab_size,
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             verifier=verifier,
+            **overrides,
         )
-        for k, v in overrides.items():
-            setattr(spec, k, v)
-        return spec
+
+    def forward_config(self) -> dict[str, Any]:
+        """The settings that shape the draft's forward pass (`forward_view`'s keys)."""
+        return {
+            "vocab_size": self.target_vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": _standard_rope(self.rope_parameters),
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            **{flag: bool(getattr(self, flag)) for flag in NORM_FLAGS},
+        }
 
     def config_dict(self) -> dict[str, Any]:
         """The vLLM llama-style `config.json` content."""
+        rope = _standard_rope(self.rope_parameters)
         return {
             "architectures": [LLAMA_ARCH],
             "model_type": "llama",
@@ -124,10 +180,17 @@ class DraftSpec:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
+            # Both spellings: transformers 5 (vLLM) reads `rope_parameters` (and takes
+            # `rope_scaling` over it when both are set, so the two are the same dict);
+            # readers on transformers 4 (older SGLang) read `rope_scaling` + `rope_theta`.
+            "rope_parameters": rope,
+            "rope_scaling": None if rope["rope_type"] == "default" else rope,
+            "rope_theta": rope["rope_theta"],
             "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
             "vocab_size": self.target_vocab_size,
@@ -173,6 +236,90 @@ class DraftSpec:
             for k in range(NUM_AUX_LAYERS):
                 shapes[f"fc_norm.{k}.weight"] = (t,)
         return shapes
+
+
+def _standard_rope(rope: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a RoPE dict with the legacy `type` key folded into `rope_type`."""
+    out = dict(rope)
+    out["rope_type"] = out.get("rope_type") or out.get("type", "default")
+    out.pop("type", None)
+    return out
+
+
+def layer_config_from_target(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The draft layer's config keys copied from a normalized target config.
+
+    The same keys `services.train.draft_model.draft_layer_config` gives the trained layer
+    (with the recipe's MLP width there).
+    """
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "rope_parameters",
+        "max_position_embeddings",
+    )
+    return {k: cfg[k] for k in keys}
+
+
+def forward_view(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A draft folder's forward-pass settings, read the way transformers 5 reads them.
+
+    The decoder layer's keys (the top level of a llama-style config, `transformer_layer_config`
+    of a speculators one) go through `LlamaConfig.from_dict`, so RoPE comes out as the
+    reader sees it (`rope_scaling` over `rope_parameters`, `rope_theta` folded in,
+    `original_max_position_embeddings` defaulted) and a key the file lacks comes out as the
+    reader's default. Draft-level keys (draft vocab, target hidden size, norm flags) are taken
+    as written; a missing one is None.
+
+    Returns:
+        The keys of `DraftSpec.forward_config`.
+    """
+    from transformers import LlamaConfig
+
+    spec_fmt = "speculators_config" in cfg
+    layer = dict(cfg.get("transformer_layer_config") or {}) if spec_fmt else dict(cfg)
+    for key in ("architectures", "model_type", "eagle_config", "eyrie", "auto_map"):
+        layer.pop(key, None)
+    hf = LlamaConfig.from_dict(layer)
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "attention_bias",
+        "mlp_bias",
+    )
+    out: dict[str, Any] = {k: getattr(hf, k, None) for k in keys}
+    out["rope_parameters"] = _standard_rope(dict(hf.rope_parameters or {}))
+    out["draft_vocab_size"] = cfg.get("draft_vocab_size")
+    out["target_hidden_size"] = cfg.get("target_hidden_size")
+    for flag in NORM_FLAGS:
+        out[flag] = cfg.get(flag)
+    return out
+
+
+def compare_forward(written: dict[str, Any], trained: dict[str, Any]) -> list[str]:
+    """Key-by-key differences between a folder's `forward_view` and the trained draft.
+
+    `trained` is the trained draft's `DraftSpec.forward_config`; one problem per differing
+    key, naming both values.
+    """
+    return [
+        f"{key}: export has {written.get(key)!r}, the trained draft has {want!r}"
+        for key, want in trained.items()
+        if written.get(key) != want
+    ]
 
 
 def write_llama_draft(
@@ -388,6 +535,7 @@ def lint_draft_dir(
     target_config: dict[str, Any],
     expect_verifier: str | None = None,
     expect_aux_ids: list[int] | None = None,
+    expect_forward: dict[str, Any] | None = None,
 ) -> list[str]:
     """Check a draft folder against every §3/§6 invariant; return the problems found.
 
@@ -398,6 +546,8 @@ def lint_draft_dir(
         expect_verifier: if given, the draft's recorded verifier must equal it.
         expect_aux_ids: if given, the Eyrie aux ids the draft was trained on; the config must
             hold them, or `i-1` each in a folder marked with SGLang's convention (§1).
+        expect_forward: if given, the trained draft's `DraftSpec.forward_config`; the
+            folder's `forward_view` must equal it key by key (RoPE, head_dim, eps, act, ...).
 
     Returns:
         Human-readable problems, each naming the key or weight; empty when the draft is sound.
@@ -414,6 +564,8 @@ def lint_draft_dir(
     problems += _check_weights(v, shapes, small, target_config)
     if expect_aux_ids is not None:
         problems += _check_aux_ids(json.loads(cfg_path.read_text()), v, expect_aux_ids)
+    if expect_forward is not None:
+        problems += compare_forward(forward_view(json.loads(cfg_path.read_text())), expect_forward)
     if expect_verifier is not None and v["verifier"] != expect_verifier:
         problems.append(
             f"verifier: draft was trained for {v['verifier']!r}, "
@@ -447,8 +599,10 @@ def random_llama_draft(
     """
     import torch
 
+    from shared.target import normalize_config
+
     target_dir, out_dir = Path(target_dir), Path(out_dir)
-    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg = normalize_config(json.loads((target_dir / "config.json").read_text()), str(target_dir))
     spec = DraftSpec.from_target_config(
         cfg, aux_layer_ids, draft_vocab_size, verifier=str(target_dir), **spec_overrides
     )

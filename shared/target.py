@@ -1,11 +1,15 @@
-"""The target (verifier) model's config: one loader, checked against the recipe.
+"""The target (verifier) model's config: one loader, normalized, checked against the recipe.
 
-Every stage that needs the target's shape (layer count, hidden size, vocab) reads it here,
-so a wrong path fails the same way everywhere: with the path in the message.
+Every stage that needs the target's shape (layer count, hidden size, vocab) or the settings
+the draft layer copies (RoPE, head_dim, norm eps, activation) reads it here, so a wrong path
+fails the same way everywhere (with the path in the message), and a local folder and a hub id
+give the same dict: the text config of a multimodal model, with the forward-pass keys filled
+in as transformers' own config class for that `model_type` reads the file.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -15,10 +19,11 @@ from shared.recipe import Recipe, looks_local
 
 
 def target_config(recipe: Recipe) -> dict[str, Any]:
-    """The target's `config.json` as a dict (text config for multimodal models).
+    """The target's normalized config (`normalize_config`) as a dict.
 
-    A local folder is read directly; anything else is treated as a hub id and loaded with
-    transformers' AutoConfig (revision and trust_remote_code from the recipe).
+    A local folder's `config.json` is read directly; anything else is treated as a hub id and
+    loaded with transformers' AutoConfig (revision and trust_remote_code from the recipe).
+    Both then go through `normalize_config`, so a local folder and the hub give the same keys.
 
     Raises:
         ConfigError: the path does not exist (named in the message), the config cannot be
@@ -39,7 +44,7 @@ def target_config(recipe: Recipe) -> dict[str, Any]:
         )
     else:
         cfg = _hub_config(recipe)
-    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    cfg = normalize_config(cfg, t.path)
     check_expected(recipe, cfg)
     return cfg
 
@@ -64,6 +69,77 @@ def read_config_file(path: Path, field: str = "target.path") -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{field}: {path} must hold a JSON object (got {type(cfg).__name__})")
     return cfg
+
+
+#: Keys of the normalized config that shape the draft layer's forward pass.
+FORWARD_KEYS = (
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+    "num_key_value_heads",
+)
+
+
+def normalize_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """One view of a target config, whatever spelling its `config.json` uses.
+
+    Picks `text_config` when the top level has no `num_hidden_layers` (multimodal models),
+    then reads it with transformers' config class for its `model_type` (LlamaConfig when
+    transformers does not know the type), which is how the target itself is loaded:
+    - `rope_parameters`: the standardized RoPE dict (`rope_type`, `rope_theta`, and the
+      type's own keys, e.g. llama3 `factor`/`low_freq_factor`/`high_freq_factor`/
+      `original_max_position_embeddings`, yarn `factor`/`original_max_position_embeddings`),
+      built from either `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`
+      (older files); the legacy `type` key is folded into `rope_type`, and `rope_scaling` is
+      removed so no reader can take it over the normalized dict; `rope_theta` mirrors it;
+    - `head_dim` (else hidden_size // num_attention_heads), `num_key_value_heads` (else the
+      head count), `rms_norm_eps`, `hidden_act`, `max_position_embeddings`: the file's value,
+      else the config class's default (what the target runs with when the key is absent).
+
+    Args:
+        cfg: the raw config dict (`config.json`, or AutoConfig's `to_dict()`).
+        source: the path or hub id, for messages.
+
+    Returns:
+        A new dict: the (text) config with the keys above filled in; other keys untouched.
+
+    Raises:
+        ConfigError: the config cannot be read by its config class, or its RoPE settings are
+            per layer type (a one-layer llama draft has a single RoPE).
+    """
+    from transformers import CONFIG_MAPPING, LlamaConfig
+
+    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    cls = CONFIG_MAPPING[cfg["model_type"]] if cfg.get("model_type") in CONFIG_MAPPING else None
+    try:
+        hf = (cls or LlamaConfig).from_dict(copy.deepcopy(cfg))
+    except Exception as e:  # config classes raise ValueError/TypeError/KeyError on bad values
+        raise ConfigError(
+            f"{source}: config.json could not be read as {(cls or LlamaConfig).__name__} "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if not rope or any(isinstance(v, dict) for v in rope.values()):
+        raise ConfigError(
+            f"{source}: RoPE settings {rope or None} are not one global RoPE "
+            "(per-layer-type RoPE is not supported for an EAGLE-3 llama draft)"
+        )
+    rope["rope_type"] = rope.get("rope_type") or rope.get("type", "default")
+    rope.pop("type", None)
+    defaults = LlamaConfig()
+    out = copy.deepcopy(cfg)
+    out.pop("rope_scaling", None)
+    heads = int(cfg["num_attention_heads"])
+    out["rope_parameters"] = rope
+    out["rope_theta"] = rope["rope_theta"]
+    out["head_dim"] = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    out["num_key_value_heads"] = int(cfg.get("num_key_value_heads") or heads)
+    for key in ("rms_norm_eps", "hidden_act", "max_position_embeddings"):
+        value = getattr(hf, key, None)
+        out[key] = value if value is not None else getattr(defaults, key)
+    return out
 
 
 def _hub_config(recipe: Recipe) -> dict[str, Any]:

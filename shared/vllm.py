@@ -13,12 +13,19 @@ server starts (`preflight_eagle3`). The conductor's process and docker backends,
 `vllm` service's entrypoint (images/vllm-serve.py) and every client (regen, extract, bench)
 use it, so the servers and their clients cannot drift apart.
 
-Invariant: an eagle3 server is never started before `preflight_eagle3` passed. This module
-imports no torch or vLLM (the CLI imports it).
+Invariants: no server is started before `preflight_launch` passed on the final argument
+list (`vllm_args`, `serve.extra_args` included), read with vLLM's own parser where vLLM is
+installed: a baseline server gets no `--speculative-config`, an eagle3 or extract server
+gets exactly Eyrie's, once, and an eagle3 draft passes `preflight_eagle3`. This module
+imports no torch or vLLM at import time (the CLI imports it); the preflight imports vLLM's
+argument parser lazily.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import os
 import tempfile
@@ -268,4 +275,167 @@ def preflight_eagle3(recipe: Recipe, draft_dir: Path | str, spec: dict[str, Any]
             f"refusing to start an eagle3 server with draft {draft_dir}:\n  - "
             + "\n  - ".join(problems)
             + "\nFix the draft export (eyrie stage export) or the recipe's target."
+        )
+
+
+# -- preflight of the final argument list --------------------------------------------------
+
+#: The spellings of `--speculative-config` when vLLM is not installed to say (vLLM 0.32's
+#: parser: `--speculative-config`, alias `-sc`; underscores are accepted for dashes, and
+#: `--speculative-config.KEY VALUE` sets one key).
+SPEC_FLAGS = ("--speculative-config", "--speculative_config", "-sc")
+
+
+@functools.cache
+def _vllm_parser() -> Any | None:
+    """The api_server argument parser of vLLM itself, or None where vLLM is not installed."""
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return None
+    for module in ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"):
+        with contextlib.suppress(ImportError):
+            mod = __import__(module, fromlist=["make_arg_parser"])
+            return mod.make_arg_parser(FlexibleArgumentParser())
+    return None
+
+
+def _spec_flag_uses(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """Each argument that sets (part of) the speculative config, in order."""
+    dotted = tuple(f + "." for f in flags)
+    return [a for a in args if a.split("=", 1)[0] in flags or a.startswith(dotted)]
+
+
+def _scan_speculative(args: list[str]) -> dict[str, Any] | None:
+    """The speculative config argparse would keep (the last flag), without vLLM.
+
+    Raises:
+        ConfigError: a value is not a JSON object, or a `--speculative-config.KEY` form is
+            used (only vLLM's parser can merge those).
+    """
+    final = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name.startswith(tuple(f + "." for f in SPEC_FLAGS)):
+            raise ConfigError(
+                f"{name}: per-key speculative config flags cannot be checked without vLLM "
+                "installed; pass one --speculative-config JSON object"
+            )
+        if name in SPEC_FLAGS:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                final = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name} {value!r}: not JSON ({e})") from e
+    return final
+
+
+def final_speculative_config(args: list[str]) -> tuple[dict[str, Any] | None, str]:
+    """The `--speculative-config` vLLM will run with for `args`, and who read it.
+
+    Uses vLLM's own parser (`make_arg_parser(FlexibleArgumentParser())`) where vLLM is
+    installed, so every spelling vLLM accepts counts (aliases, underscores, `=` and per-key
+    forms; the last flag wins); else `_scan_speculative`.
+
+    Returns:
+        (the parsed dict or None, "vllm" or "scan").
+
+    Raises:
+        ConfigError: vLLM's parser refuses the arguments (its message included), or the scan
+            cannot read them.
+    """
+    parser = _vllm_parser()
+    if parser is None:
+        return _scan_speculative(args), "scan"
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(list(args))
+    except SystemExit as e:
+        msg = err.getvalue().strip().splitlines()
+        raise ConfigError(
+            f"vLLM's argument parser refuses the server arguments: {msg[-1] if msg else e}"
+        ) from None
+    spec = getattr(ns, "speculative_config", None)
+    return (dict(spec) if spec is not None else None), "vllm"
+
+
+def launch_problems(
+    recipe: Recipe, mode: str, args: list[str], draft_dir: Path | str | None = None
+) -> list[str]:
+    """Every reason not to start `mode`'s server with the argument list `args`.
+
+    Args:
+        recipe: the resolved recipe.
+        mode: baseline, eagle3 or extract.
+        args: the final vLLM arguments (`vllm_args`, ending with `serve.extra_args`).
+        draft_dir: the eagle3 draft folder.
+
+    Returns:
+        [] when it may start. A baseline list with any speculative config, a list whose
+        speculative config vLLM would read differently from Eyrie's (a second flag in
+        `serve.extra_args`: vLLM takes the last), a flag given more than once, and, for
+        eagle3, every `preflight_problems` of the draft the final config names.
+    """
+    parser = _vllm_parser()
+    flags: tuple[str, ...] = SPEC_FLAGS
+    if parser is not None:
+        flags = tuple(
+            o for a in parser._actions if a.dest == "speculative_config" for o in a.option_strings
+        )
+        flags += tuple("--" + f[2:].replace("-", "_") for f in flags if f.startswith("--"))
+    try:
+        final, _ = final_speculative_config(args)
+    except ConfigError as e:
+        return [str(e)]
+    uses = _spec_flag_uses(args, flags)
+    problems = []
+    if mode == "baseline":
+        if final is not None or uses:
+            problems.append(
+                f"baseline mode: the arguments carry a speculative config ({final}) "
+                "(from serve.extra_args?); a baseline server serves the target alone"
+            )
+        return problems
+    ours = speculative_config(recipe, mode, draft_dir)
+    if len(uses) > 1:
+        problems.append(
+            f"--speculative-config: given {len(uses)} times ({', '.join(uses)}); vLLM "
+            "takes the last, which bypasses Eyrie's; remove it from serve.extra_args"
+        )
+    if final != ours:
+        problems.append(
+            f"--speculative-config: vLLM would run with {json.dumps(final, sort_keys=True)}, "
+            f"not Eyrie's {json.dumps(ours, sort_keys=True)} (serve.extra_args?)"
+        )
+    if mode == "eagle3" and final is not None:
+        problems += preflight_problems(recipe, Path(final.get("model") or draft_dir or ""), final)
+    return problems
+
+
+def preflight_launch(
+    recipe: Recipe, mode: str, draft_dir: Path | str | None = None, args: list[str] | None = None
+) -> None:
+    """Refuse a server start unless `launch_problems` is empty.
+
+    Args:
+        args: the final argument list; default `vllm_args(recipe, mode, draft_dir)` (the
+            speculative config does not depend on port, host or hidden-state folder).
+
+    Raises:
+        ConfigError: eagle3 without a draft.
+        ContractMismatchError: listing every problem.
+    """
+    check_mode(mode)
+    if args is None:
+        args = vllm_args(recipe, mode, draft_dir)
+    problems = launch_problems(recipe, mode, args, draft_dir)
+    if problems:
+        what = f"an {mode} server" if mode[0] in "ae" else f"a {mode} server"
+        if draft_dir is not None:
+            what += f" with draft {draft_dir}"
+        raise ContractMismatchError(
+            f"refusing to start {what}:\n  - "
+            + "\n  - ".join(problems)
+            + "\nFix serve.extra_args, the draft export (eyrie stage export) or the recipe."
         )

@@ -4,7 +4,7 @@
     eyrie serve stop
     eyrie bench RECIPE [-o k=v] [--start] [--baseline-url U] [--eagle3-url U]
 
-`serve RECIPE` starts one server (backend `serve.backend`; preflight before eagle3;
+`serve RECIPE` starts one server (backend `serve.backend`; launch preflight first;
 readiness wait), prints its URL, and stays in the foreground until Ctrl-C, until the server
 exits, or until `eyrie serve stop` (from another shell) stops it. The eagle3 draft defaults
 to the run's exported llama-style folder.

@@ -7,10 +7,11 @@ Where a server runs is a backend:
 - `docker` (`services.conductor.docker_backend`): the compose-made `vllm` container's image
   and settings, swapped between modes through the Docker SDK.
 
-Both share one `start`: the flags come from `shared.vllm.vllm_args` (the only copy), an
-eagle3 start runs `shared.vllm.preflight_eagle3` first, the server is waited for until ready,
-and a state file `<state_dir>/<mode>-<port>.json` lets `eyrie serve stop` find and stop it
-from another process. `serving` is what a GPU phase uses: the servers of a stage's shards,
+Both share one `start`: the flags come from `shared.vllm.vllm_args` (the only copy), every
+start runs `shared.vllm.preflight_launch` first (the final arguments as vLLM parses them;
+the draft lint for eagle3), the server is waited for until ready, and a state file
+`<state_dir>/<mode>-<port>.json` lets `eyrie serve stop` find and stop it from another
+process. `serving` is what a GPU phase uses: the servers of a stage's shards,
 up for the duration of a block, stopped also when the block raises.
 """
 
@@ -109,11 +110,10 @@ class Backend:
                 `serve.startup_timeout_s`; it is stopped before raising.
         """
         vllm.check_mode(mode)
-        if mode == "eagle3":
-            if draft_dir is None:
-                raise ConfigError("serve --mode eagle3 needs a draft folder (--draft DIR)")
-            spec = vllm.speculative_config(recipe, mode, draft_dir) or {}
-            vllm.preflight_eagle3(recipe, draft_dir, spec)
+        if mode == "eagle3" and draft_dir is None:
+            raise ConfigError("serve --mode eagle3 needs a draft folder (--draft DIR)")
+        # Every mode: the final arguments (serve.extra_args included) as vLLM parses them.
+        vllm.preflight_launch(recipe, mode, draft_dir)
         port = port or vllm.mode_port(recipe, mode)
         url = vllm.base_url(recipe, mode).rsplit(":", 1)[0] + f":{port}"
         make_dirs(log_path.parent)
@@ -300,7 +300,7 @@ def serving(recipe: Recipe, store: RunStore, modes: Sequence[str]) -> Iterator[d
     """Start the servers of `modes`, wait until each is ready, yield, then stop them all.
 
     Runs the GPU-free check first (`services.conductor.gpu`, after the docker backend stopped
-    the compose `vllm` container), and the eagle3 preflight before any server starts.
+    the compose `vllm` container), and every mode's launch preflight before any server starts.
 
     Yields:
         mode → base URL.
@@ -311,9 +311,8 @@ def serving(recipe: Recipe, store: RunStore, modes: Sequence[str]) -> Iterator[d
     """
     from services.conductor.gpu import check_gpus_free
 
-    if "eagle3" in modes:  # refuse before any server starts, not after the baseline's
-        draft = store.export.vllm_draft
-        vllm.preflight_eagle3(recipe, draft, vllm.speculative_config(recipe, "eagle3", draft) or {})
+    for mode in modes:  # refuse before any server starts, not after the baseline's
+        vllm.preflight_launch(recipe, mode, store.export.vllm_draft if mode == "eagle3" else None)
     backend = get_backend(recipe.serve.backend)
     backend.prepare()  # docker: the compose vllm container would fail the GPU-free check
     check_gpus_free()

@@ -20,6 +20,7 @@ Heavy imports (torch, transformers, speculators) live inside the functions.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,11 +39,12 @@ def draft_layer_config(recipe: Recipe, tcfg: dict[str, Any]) -> Any:
 
     Args:
         recipe: the run's recipe (`draft.*` knobs).
-        tcfg: the target's config.json as a dict (`shared.target.target_config`).
+        tcfg: the target's normalized config (`shared.target.target_config`).
 
     Returns:
         a transformers `LlamaConfig` with one hidden layer, the target's vocab, hidden size,
-        heads, head_dim, rms eps and rope parameters, and untied embeddings.
+        heads, head_dim, hidden_act, rms eps, max positions and RoPE parameters (all of
+        `rope_parameters`: type, theta and the scaling keys), and untied embeddings.
 
     Raises:
         ConfigError: `draft.hidden_size` differs from the target's hidden size.
@@ -56,22 +58,21 @@ def draft_layer_config(recipe: Recipe, tcfg: dict[str, Any]) -> Any:
             f"size {hidden} (got {recipe.draft.hidden_size}); leave it unset"
         )
     heads = int(tcfg["num_attention_heads"])
-    rope = tcfg.get("rope_parameters") or {
-        "rope_type": "default",
-        "rope_theta": float(tcfg.get("rope_theta", 10000.0)),
-    }
+    # Every forward-pass setting comes from the normalized target config, with no default
+    # here: the export copies this object, so a default in one place cannot differ from
+    # another place's (`shared.target.normalize_config` fills what the file lacks).
     return LlamaConfig(
         vocab_size=int(tcfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(recipe.draft.intermediate_size or tcfg["intermediate_size"]),
         num_hidden_layers=1,
         num_attention_heads=heads,
-        num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
-        head_dim=int(tcfg.get("head_dim") or hidden // heads),
-        hidden_act=tcfg.get("hidden_act", "silu"),
-        max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
-        rope_parameters=rope,
+        num_key_value_heads=int(tcfg["num_key_value_heads"]),
+        head_dim=int(tcfg["head_dim"]),
+        hidden_act=tcfg["hidden_act"],
+        max_position_embeddings=int(tcfg["max_position_embeddings"]),
+        rms_norm_eps=float(tcfg["rms_norm_eps"]),
+        rope_parameters=copy.deepcopy(tcfg["rope_parameters"]),
         tie_word_embeddings=False,
         attention_bias=False,
         mlp_bias=False,

@@ -14,10 +14,13 @@ Layout written (`shared/artifacts.py`, export/):
                   written and the original Eyrie ids
     lint.json     `{folder: {"ok", "problems"}}` from `shared.draft.lint_draft_dir`
 
-Invariants: the export is rebuilt from the chosen checkpoint (best by validation, else the
-last epoch) plus the frozen weights reloaded from the target, so it never depends on the
-training process; every folder is written atomically and linted; any lint problem fails the
-stage after lint.json is written.
+Invariants: every folder's config is built from the rebuilt draft's own config object
+(`draft_spec`), never re-derived from the target, and the lint compares each folder's
+forward-pass settings, as transformers reads them, with it key by key
+(`shared.draft.forward_view`); the export is rebuilt from the chosen checkpoint (best by
+validation, else the last epoch) plus the frozen weights reloaded from the target, so it
+never depends on the training process; every folder is written atomically and linted; any
+lint problem fails the stage after lint.json is written.
 """
 
 from __future__ import annotations
@@ -77,20 +80,24 @@ def llama_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def draft_spec(
-    recipe: Recipe, tcfg: dict[str, Any], aux_ids: list[int], meta: dict[str, Any]
+    model: Any, tcfg: dict[str, Any], aux_ids: list[int], verifier: str, meta: dict[str, Any]
 ) -> DraftSpec:
-    """The llama-style spec of the recipe's draft (norm flags and MLP width from `draft.*`)."""
-    d = recipe.draft
-    return DraftSpec.from_target_config(
-        tcfg,
-        aux_ids,
-        d.draft_vocab_size,
-        verifier=recipe.target.path,
-        intermediate_size=int(d.intermediate_size or tcfg["intermediate_size"]),
-        norm_before_residual=d.norm_before_residual,
-        norm_before_fc=d.norm_before_fc,
-        fc_norm=d.fc_norm,
-        norm_output=d.norm_output,
+    """The llama-style spec of a built draft, read from the model's own config object.
+
+    Every forward-pass setting (layer shape, hidden_act, rms_norm_eps, RoPE, max positions)
+    and every norm flag comes from `model.config` (speculators' `Eagle3SpeculatorConfig`
+    and its `transformer_layer_config`), i.e. what the draft trained with; only the target's
+    hidden size and layer count come from the target config `tcfg`.
+    """
+    c = model.config
+    return DraftSpec.from_layer_config(
+        c.transformer_layer_config.to_dict(),
+        target_hidden_size=int(tcfg["hidden_size"]),
+        target_num_layers=int(tcfg["num_hidden_layers"]),
+        aux_layer_ids=aux_ids,
+        draft_vocab_size=int(c.draft_vocab_size),
+        verifier=verifier,
+        **{flag: bool(getattr(c, flag)) for flag in NORM_FLAGS},
         meta=meta,
     )
 
@@ -136,7 +143,7 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         "train_step": state.step,
         "best": state.best,
     }
-    spec = draft_spec(recipe, tcfg, aux_ids, meta)
+    spec = draft_spec(model, tcfg, aux_ids, recipe.target.path, meta)
     layer_weights = llama_weights(model)
     write_llama_draft(art.folder("vllm"), spec, layer_weights, d2t, t2d)
     report.written.append("vllm")
@@ -162,7 +169,11 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         report.written.append("sglang")
     for name in report.written:
         report.lint[name] = lint_draft_dir(
-            art.folder(name), tcfg, expect_verifier=recipe.target.path, expect_aux_ids=aux_ids
+            art.folder(name),
+            tcfg,
+            expect_verifier=recipe.target.path,
+            expect_aux_ids=aux_ids,
+            expect_forward=spec.forward_config(),
         )
     art.write_lint(report.lint)
     art.write_summary(

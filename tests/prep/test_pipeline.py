@@ -327,6 +327,37 @@ def test_truncation_counted_and_untrainable_dropped(tmp_path, data_dir, smollm2_
     assert len(store.tokenize.dataset(0)["input_ids"][0]) == 512
 
 
+def test_shard_emptied_by_truncation_loads_and_vocab_counts_the_rest(
+    tmp_path, data_dir, smollm2_path
+):
+    """Issue 15 fault 8: two rows, one shard each; row 2's 1,500-token prompt fills all 512
+    tokens, so its shard keeps no row, and the vocab stage still runs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    long_q = "word " * 1500
+    assert len(tok(long_q, add_special_tokens=False)["input_ids"]) >= 1500
+    rows = [conv("Name a fruit.", "The fruit is a fig."), conv(long_q, "fine")]
+    path = write_jsonl(tmp_path / "two.jsonl", rows)
+    recipe = make_recipe(
+        smollm2_path,
+        [{"path": str(path)}],
+        train={"val_fraction": 0.0},
+        shard_rows=1,
+        dedup=False,
+    )
+    store = RunStore.create(recipe)
+    assert run_all(store, until="vocab") == 2
+    rep = json.loads(store.tokenize.report_path(1).read_text())
+    assert rep["dropped:no_trainable_token"] == 1 and rep["kept"] == 0
+    empty = store.tokenize.dataset(1)
+    assert len(empty) == 0 and empty.column_names == COLUMNS
+    # The counts are row 1's answer and end of turn, tokenized on their own.
+    ids = tok("The fruit is a fig.<|im_end|>", add_special_tokens=False)["input_ids"]
+    want = np.bincount(np.asarray(ids, dtype=np.int64), minlength=49152)
+    assert np.array_equal(np.load(store.vocab.freq_path), want)
+
+
 def test_prep_fails_below_kept_fraction(tmp_path, data_dir, smollm2_path):
     rows = [{"conversations": []}] * 3 + [conv("q", "a")]
     path = write_jsonl(tmp_path / "bad.jsonl", rows)

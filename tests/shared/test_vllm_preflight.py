@@ -115,3 +115,84 @@ def test_implicit_norm_flag_refused(recipe, draft):
 def test_other_verifier_refused(recipe, draft):
     _edit_config(draft, lambda c: c["eyrie"].update(verifier="/models/Llama-3.1-8B-Instruct"))
     _refused(recipe, draft, r"verifier: draft was trained for '/models/Llama-3.1-8B-Instruct'")
+
+
+# -- the final argument list (issue 15, fault 9) --------------------------------------------
+
+
+def _with_extra(recipe, extra: list[str]):
+    return recipe.model_copy(
+        update={"serve": recipe.serve.model_copy(update={"extra_args": extra})}
+    )
+
+
+EAGLE = json.dumps({"method": "eagle", "model": "DRAFT", "num_speculative_tokens": 3})
+
+
+def _launch_refused(recipe, mode, draft, match):
+    from shared.vllm import preflight_launch
+
+    with pytest.raises(ContractMismatchError, match=match) as e:
+        preflight_launch(recipe, mode, draft)
+    return str(e.value)
+
+
+def test_valid_launches_pass(recipe, draft):
+    from shared.vllm import launch_problems, vllm_args
+
+    for mode, d in (("baseline", None), ("eagle3", draft), ("extract", None)):
+        assert launch_problems(recipe, mode, vllm_args(recipe, mode, d), d) == [], mode
+
+
+def test_vllm_itself_takes_the_last_speculative_config(recipe, draft):
+    """The fact the check rests on, from vLLM's own parser: a second flag wins."""
+    from shared.vllm import final_speculative_config, vllm_args
+
+    extra = ["--speculative-config", EAGLE.replace("DRAFT", str(draft))]
+    args = vllm_args(_with_extra(recipe, extra), "eagle3", draft)
+    final, parser = final_speculative_config(args)
+    assert parser == "vllm"
+    assert final == {"method": "eagle", "model": str(draft), "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--speculative-config", EAGLE],
+        ["-sc", EAGLE],  # vLLM's alias
+        ["--speculative_config=" + EAGLE],  # underscores and '='
+        ["--speculative-config.method", "eagle"],  # one key, merged by vLLM's parser
+    ],
+    ids=["flag", "alias", "underscore", "per-key"],
+)
+def test_second_speculative_config_in_extra_args_refused(recipe, draft, extra):
+    extra = [a.replace("DRAFT", str(draft)) for a in extra]
+    msg = _launch_refused(_with_extra(recipe, extra), "eagle3", draft, "given 2 times")
+    assert "vLLM would run with" in msg and '"method": "eagle"' in msg
+    assert "method: expected 'eagle3', got 'eagle'" in msg  # the draft preflight saw it too
+
+
+def test_speculative_config_in_baseline_refused(recipe, draft):
+    spec = json.dumps(speculative_config(recipe, "eagle3", draft))
+    bad = _with_extra(recipe, ["--speculative-config", spec])
+    _launch_refused(bad, "baseline", None, r"baseline mode: the arguments carry a speculative")
+
+
+def test_without_vllm_the_scan_catches_the_same(recipe, draft, monkeypatch):
+    import shared.vllm as sv
+
+    monkeypatch.setattr(sv, "_vllm_parser", lambda: None)
+    assert sv.launch_problems(recipe, "eagle3", sv.vllm_args(recipe, "eagle3", draft), draft) == []
+    extra = ["-sc=" + EAGLE.replace("DRAFT", str(draft))]
+    args = sv.vllm_args(_with_extra(recipe, extra), "eagle3", draft)
+    assert sv.final_speculative_config(args) == (json.loads(extra[0][4:]), "scan")
+    problems = sv.launch_problems(recipe, "eagle3", args, draft)
+    assert any("given 2 times" in p for p in problems), problems
+    base = sv.vllm_args(_with_extra(recipe, ["--speculative_config", "{}"]), "baseline")
+    assert sv.launch_problems(recipe, "baseline", base)[0].startswith("baseline mode")
+    dotted = sv.vllm_args(
+        _with_extra(recipe, ["--speculative-config.method", "eagle"]), "eagle3", draft
+    )
+    assert (
+        "cannot be checked without vLLM" in sv.launch_problems(recipe, "eagle3", dotted, draft)[0]
+    )
