@@ -19,31 +19,49 @@ _LOCAL_PREFIXES = ("/", "./", "../", "~")
 def target_config(recipe: Recipe) -> dict[str, Any]:
     """The target's `config.json` as a dict (text config for multimodal models).
 
-    A local folder is read directly; anything else is treated as a hub id and loaded with
-    transformers' AutoConfig (revision and trust_remote_code from the recipe).
+    Read from `raw_target_config`, then checked against the recipe.
 
     Raises:
         ConfigError: the path does not exist (named in the message), the config cannot be
             loaded, or it disagrees with the recipe's expected `num_hidden_layers`,
             `hidden_size` or `vocab_size`.
     """
+    cfg = raw_target_config(recipe)
+    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    _check_expected(recipe, cfg)
+    return cfg
+
+
+def raw_target_config(recipe: Recipe) -> dict[str, Any]:
+    """The target's whole `config.json` (a multimodal wrapper keeps its `text_config`).
+
+    A local folder is read directly, a hub id from its snapshot in the local Hugging Face
+    cache (`shared.model.local_snapshot`); a hub id without one is loaded with
+    transformers' AutoConfig (revision and trust_remote_code from the recipe).
+
+    Raises:
+        ConfigError: the folder does not exist or has no config.json, or the hub config
+            cannot be loaded.
+    """
+    from shared.model import local_snapshot
+
     t = recipe.target
     path = Path(t.path)
+    if not path.is_dir() and not (t.path.startswith(_LOCAL_PREFIXES) or path.exists()):
+        snap = local_snapshot(recipe)
+        if snap is not None and (snap / "config.json").is_file():
+            path = snap
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ConfigError(f"target.path: {path} has no config.json (not an HF model folder)")
-        cfg = json.loads(cfg_file.read_text())
-    elif t.path.startswith(_LOCAL_PREFIXES) or path.exists():
+        return dict(json.loads(cfg_file.read_text()))
+    if t.path.startswith(_LOCAL_PREFIXES) or path.exists():
         raise ConfigError(
             f"target.path: model folder {t.path} does not exist "
             "(for the CPU demo, scripts/setup converts SmolLM2 into $EYRIE_CACHE/models)"
         )
-    else:
-        cfg = _hub_config(recipe)
-    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-    _check_expected(recipe, cfg)
-    return cfg
+    return _hub_config(recipe)
 
 
 def _hub_config(recipe: Recipe) -> dict[str, Any]:

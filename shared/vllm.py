@@ -28,6 +28,7 @@ from typing import Any
 from shared.conventions import resolve_aux_layer_ids
 from shared.draft import lint_draft_dir
 from shared.errors import ConfigError, ContractMismatchError
+from shared.model import model_path
 from shared.recipe import Recipe
 from shared.target import target_config
 
@@ -157,6 +158,9 @@ def vllm_args(
 ) -> list[str]:
     """The vLLM api_server arguments for `mode` (without the program name).
 
+    `--model` is the target's local folder (`shared.model.model_path`): a hub id is served
+    from its snapshot in the Hugging Face cache, since servers run with the hub offline.
+
     Args:
         recipe: the resolved recipe (target, serve.*, bench.num_speculative_tokens, layers).
         mode: `baseline`, `eagle3` or `extract`.
@@ -172,7 +176,7 @@ def vllm_args(
     s = recipe.serve
     # fmt: off
     args = [
-        "--model", recipe.target.path,
+        "--model", model_path(recipe),
         "--served-model-name", served_model_name(recipe),
         "--dtype", recipe.target.dtype,
         "--tensor-parallel-size", str(s.tensor_parallel_size),

@@ -34,7 +34,9 @@ from services.conductor.readiness import wait_ready
 from shared import vllm
 from shared.artifacts import RunStore
 from shared.errors import ConfigError
+from shared.model import target_weight_bytes
 from shared.recipe import Recipe
+from shared.sizing import startup_timeout_s
 from shared.store import atomic_write_json, data_root, make_dirs
 
 log = logging.getLogger("eyrie.serve")
@@ -106,7 +108,8 @@ class Backend:
         Raises:
             ContractMismatchError: the eagle3 preflight refused the draft.
             ServiceUnavailableError: the server died or was not ready in
-                `serve.startup_timeout_s`; it is stopped before raising.
+                the start-up timeout (`serve.startup_timeout_s`, else sized from the
+                weights by `shared.sizing.startup_timeout_s`); it is stopped before raising.
         """
         vllm.check_mode(mode)
         if mode == "eagle3":
@@ -123,7 +126,7 @@ class Backend:
             log.info("waiting for %s server at %s", mode, url)
             wait_ready(
                 url,
-                recipe.serve.startup_timeout_s,
+                startup_timeout_s(recipe, target_weight_bytes(recipe)),
                 lambda: self.alive(handle),
                 Path(handle.log_path) if handle.log_path else None,
             )

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.regen.client import ChatClient, ChatResult, RejectedError
+from services.regen.client import ChatClient, ChatResult, RejectedError, RequestTimeoutError
 from shared.records import Conversation, Message, RegenTurn
 
 #: Outcome statuses; the job's accounting is success + error + skipped == input.
@@ -36,7 +36,7 @@ class Outcome:
     Attributes:
         status: success, error or skipped.
         reason: why not success (`prompt_too_long`, `no_user_turn`, `tool_calls`,
-            `server_rejected`), or why a success stopped early ('' = not early).
+            `server_rejected`, `request_timeout`), or why a success stopped early ('' = not early).
         detail: human-readable detail (server message, token counts).
         messages: the regenerated conversation (success only).
         turns: per answer, the ids the server saw and sampled.
@@ -122,7 +122,8 @@ class Regenerator:
         try:
             res = await self.client.chat(history, tools)
         except RejectedError as e:
-            out.reason, out.detail = "server_rejected", f"turn {len(out.turns)}: {e.detail}"
+            reason = "request_timeout" if isinstance(e, RequestTimeoutError) else "server_rejected"
+            out.reason, out.detail = reason, f"turn {len(out.turns)}: {e.detail}"
             return False
         answer: dict[str, Any] = {"role": "assistant", "content": res.text}
         if res.reasoning:
@@ -141,7 +142,7 @@ class Regenerator:
     @staticmethod
     def _finish(out: Outcome, history: list[dict[str, Any]]) -> Outcome:
         if not out.turns:
-            out.status = ERROR if out.reason == "server_rejected" else SKIPPED
+            out.status = ERROR if out.reason in ("server_rejected", "request_timeout") else SKIPPED
             out.reason = out.reason or "no_user_turn"
             return out
         last = max(i for i, m in enumerate(history) if m["role"] == "assistant")
