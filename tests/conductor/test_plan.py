@@ -317,3 +317,19 @@ def test_train_timeout_grows_with_tokens_and_epochs():
     # 83M tokens × 10 epochs at 2,000 tokens/s, ×3
     assert sizing.train_timeout_s(recipe, 83_000_000) == int(83e6 * 10 / 2000 * 3)
     assert sizing.train_timeout_s(recipe, 1000) == 3600  # at least an hour
+
+
+def test_train_job_timeout_is_sized_from_the_runs_tokens(data_dir):
+    from shared.artifacts import RunStore
+    from shared.stage import get_stage
+
+    base = {"name": "t", "target": {"path": "/x"}, "datasets": [{"preset": "sharegpt"}]}
+    recipe = resolve_recipe({**base, "train": {"epochs": 10}})
+    store = RunStore.create(recipe)
+    train = get_stage("train")
+    assert train.job_timeout(recipe, store) == 3600  # nothing tokenized yet: the floor
+    for shard, tokens in enumerate((40_000_000, 43_000_000)):
+        store.write_manifest("tokenize", shard, {"tokens": tokens, "samples": 1})
+    # 83M tokens × 10 epochs / 2,000 tokens/s × 3: about 14.4 days, not a fixed 48 h
+    assert train.job_timeout(recipe, store) == int(83e6 * 10 / 2000 * 3)
+    assert get_stage("export").job_timeout(recipe, store) == get_stage("export").timeout_s
