@@ -199,6 +199,10 @@ def vllm_args(
     args.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
     if s.enforce_eager:
         args.append("--enforce-eager")
+    if s.reasoning_parser:
+        args += ["--reasoning-parser", s.reasoning_parser]
+    if s.tool_call_parser:
+        args += ["--tool-call-parser", s.tool_call_parser, "--enable-auto-tool-choice"]
     spec = speculative_config(recipe, mode, draft_dir)
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec, sort_keys=True)]

@@ -142,8 +142,9 @@ def test_kimi_plan_matches_the_known_run_within_2x(hf_cache, tmp_path, monkeypat
     assert plan.draft_params["lm_head"] == 32_000 * h and plan.draft_params["embed"] == 163_840 * h
     known_batch = sizing.train_memory_bytes(recipe, raw, 500)
     assert within_2x(known_batch, KNOWN_TRAIN_BYTES), known_batch
-    # The sample count is the mix's; the prep report counts them per dataset.
-    assert plan.samples == mix_samples(recipe) == sum(d.max_samples or 0 for d in recipe.datasets)
+    # The sample count is the mix's cap: the known run's 83,288 prompts.
+    assert plan.samples == mix_samples(recipe) == 83_288
+    assert plan.tokens == 83_288 * recipe.rates.mean_sample_tokens
     # Config-only snapshot: refused with the command that fixes it.
     assert any("eyrie pull recipes/kimi-k2.5.yaml" in p for p in plan.problems)
 
@@ -314,8 +315,8 @@ def test_request_timeout_is_sized_from_max_tokens_unless_set():
 def test_train_timeout_grows_with_tokens_and_epochs():
     base = {"name": "t", "target": {"path": "/x"}, "datasets": [{"preset": "sharegpt"}]}
     recipe = resolve_recipe({**base, "train": {"epochs": 10}})
-    # 83M tokens × 10 epochs at 2,000 tokens/s, ×3
-    assert sizing.train_timeout_s(recipe, 83_000_000) == int(83e6 * 10 / 2000 * 3)
+    # 83M tokens × 10 epochs at 10,000 tokens/s, ×3
+    assert sizing.train_timeout_s(recipe, 83_000_000) == int(83e6 * 10 / 10_000 * 3)
     assert sizing.train_timeout_s(recipe, 1000) == 3600  # at least an hour
 
 
@@ -330,6 +331,6 @@ def test_train_job_timeout_is_sized_from_the_runs_tokens(data_dir):
     assert train.job_timeout(recipe, store) == 3600  # nothing tokenized yet: the floor
     for shard, tokens in enumerate((40_000_000, 43_000_000)):
         store.write_manifest("tokenize", shard, {"tokens": tokens, "samples": 1})
-    # 83M tokens × 10 epochs / 2,000 tokens/s × 3: about 14.4 days, not a fixed 48 h
-    assert train.job_timeout(recipe, store) == int(83e6 * 10 / 2000 * 3)
+    # 83M tokens × 10 epochs / 10,000 tokens/s × 3: about 69 h, not a fixed 48 h
+    assert train.job_timeout(recipe, store) == int(83e6 * 10 / 10_000 * 3)
     assert get_stage("export").job_timeout(recipe, store) == get_stage("export").timeout_s
