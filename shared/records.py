@@ -169,12 +169,17 @@ class Plan(Record):
 
 
 class PrepReport(Record):
-    """Per prep shard: rows in, kept, and counts per skip reason and realignment."""
+    """Per prep shard: rows in, kept, and counts per skip reason and realignment.
+
+    Attributes:
+        per_source: per source dataset (`DataSource.name`): `rows_in`, `kept`, `skipped`.
+    """
 
     rows_in: int
     kept: int
     skipped: dict[str, int]
     realigned: dict[str, int]
+    per_source: dict[str, dict[str, int]] = {}
 
 
 class DedupReport(Record):

@@ -56,14 +56,18 @@ def prep_stage(ctx: StageContext) -> ShardResult:
     skipped: Counter[str] = Counter()
     realigned: Counter[str] = Counter()
     rows = _read_shard(ctx)
+    per_source: dict[str, Counter[str]] = {}
     for d, row, raw in rows:
         meta = plan.datasets[d]
+        src = per_source.setdefault(meta.source.name, Counter(rows_in=0, kept=0, skipped=0))
+        src["rows_in"] += 1
         try:
             if isinstance(raw, RowError):
                 raise RowRejected(raw.reason, "<row>", raw.detail)
             adapted = normalize(ADAPTERS[meta.source.adapter](raw), cfg.max_turn_chars)
         except RowRejected as e:
             skipped[e.reason] += 1
+            src["skipped"] += 1
             shown = "" if isinstance(raw, RowError) else _raw_text(raw)
             quarantined.append(
                 QuarantinedRow(
@@ -77,6 +81,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
             )
             continue
         realigned.update(adapted.realigned)
+        src["kept"] += 1
         kept.append(
             Conversation.model_validate(
                 {
@@ -92,6 +97,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         kept=len(kept),
         skipped=dict(sorted(skipped.items())),
         realigned=dict(sorted(realigned.items())),
+        per_source={name: dict(c) for name, c in sorted(per_source.items())},
     )
     files = ctx.store.prep.write(ctx.shard, kept, quarantined, report)
     if rows and len(kept) / len(rows) < cfg.min_kept_fraction:
