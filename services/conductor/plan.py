@@ -50,8 +50,10 @@ class RunPlan:
 
     Attributes:
         stages: per stage rows, in pipeline order.
-        samples: conversations the mix asks for (None = unknown: a dataset has no cap).
-        tokens: tokenized tokens estimated (samples × mean tokens per sample).
+        samples: conversations the mix asks for (None = unknown: a dataset has no cap), or
+            the samples the run's tokenize stage kept once it has finished.
+        tokens: tokenized tokens: estimated (samples × `rates.mean_sample_tokens`), or
+            counted by the run's tokenize stage.
         hs_bytes_per_token: hidden-state bytes stored per token.
         weight_bytes: the target's checkpoint size in bytes.
         weight_source: `local files` or `config estimate`.
@@ -62,6 +64,7 @@ class RunPlan:
             download there.
         gpu_memory_bytes: memory of one GPU (None = unknown).
         problems: reasons the run cannot go through on this node; [] = it can.
+        notes: what the estimates leave out.
     """
 
     stages: list[StagePlan]
@@ -79,6 +82,7 @@ class RunPlan:
     cache_needed: int
     gpu_memory_bytes: int | None
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def data_needed(self) -> int:
@@ -127,6 +131,20 @@ def _gpu_memory(recipe: Recipe) -> int | None:
     res = subprocess.run([exe, *QUERY], capture_output=True, text=True, timeout=30)
     usage = parse_memory_used(res.stdout) if res.returncode == 0 else {}
     return min(total for _, total in usage.values()) * 2**20 if usage else None
+
+
+def _tokenized(recipe: Recipe) -> tuple[int, int] | None:
+    """(samples, tokens) the run's finished tokenize stage counted, or None before that."""
+    from shared.artifacts import RunStore
+
+    store = RunStore(recipe.run_id())
+    if not store.is_done("plan"):
+        return None
+    shards = store.plan.num_shards()
+    if not shards or not all(store.is_done("tokenize", s) for s in range(shards)):
+        return None
+    ms = store.manifests("tokenize")
+    return sum(m.counts.get("samples", 0) for m in ms), sum(m.counts.get("tokens", 0) for m in ms)
 
 
 def _written_bytes(recipe: Recipe) -> int:
@@ -178,6 +196,10 @@ def make_plan(recipe: Recipe, recipe_path: str = "RECIPE") -> RunPlan:
     samples = mix_samples(recipe)
     per_sample = min(rates.mean_sample_tokens, recipe.prep.max_len_tokens)
     tokens = (samples or 0) * per_sample
+    counted = _tokenized(recipe)
+    if counted is not None:  # a resumed run: its tokenize stage counted them
+        samples, tokens = counted
+        per_sample = tokens // max(samples, 1)
     train_tokens = int(tokens * (1 - recipe.train.val_fraction))
     hs_tok = sizing.hidden_state_bytes_per_token(recipe, cfg)
     dp = sizing.draft_param_counts(recipe, cfg)
@@ -256,9 +278,9 @@ def make_plan(recipe: Recipe, recipe_path: str = "RECIPE") -> RunPlan:
             f"{cache_dir} but {cache_free / GIB:,.1f} GiB are free"
         )
     if samples is None:
-        plan.problems.append(
-            "datasets: a dataset has no max_samples and prep.max_samples is unset; the plan "
-            "cannot size the run (set prep.max_samples)"
+        plan.notes.append(
+            "datasets: a dataset has no max_samples and prep.max_samples is unset, so the "
+            "data-dependent sizes are left out (set prep.max_samples to plan them)"
         )
     if gpu_mem is not None:
         usable = int(gpu_mem * recipe.serve.gpu_memory_utilization)
@@ -309,6 +331,7 @@ def format_plan(plan: RunPlan) -> str:
         f"cache {plan.cache_dir} (needs {plan.cache_needed / gb:,.1f} GB); GPU memory "
         + (f"{plan.gpu_memory_bytes / GIB:,.0f} GiB" if plan.gpu_memory_bytes else "unknown"),
     ]
+    lines += [f"note: {n}" for n in plan.notes]
     if plan.problems:
         lines += ["", "cannot run on this node:"] + [f"  - {p}" for p in plan.problems]
     else:

@@ -222,6 +222,24 @@ def test_pull_resolves_the_cached_snapshot_and_checks_it(hf_cache, tmp_path):
         pull(other, local_files_only=True)
 
 
+def test_eyrie_pull_command_checks_the_cached_copy(hf_cache, tmp_path, capsys):
+    src = tmp_path / "src"
+    small_model(src)
+    snap = cached_snapshot(hf_cache, "acme/tiny", {p.name: p for p in src.iterdir()})
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(
+        yaml.safe_dump(
+            {"name": "t", "target": {"path": "acme/tiny"}, "datasets": [{"preset": "sharegpt"}]}
+        )
+    )
+    assert main(["pull", str(recipe_file), "--local-files-only"]) == 0
+    assert capsys.readouterr().out.strip() == f"acme/tiny: complete at {snap}"
+    (snap / "model-00002-of-00003.safetensors").write_bytes(b"\x08")  # cut to 1 byte
+    assert main(["pull", str(recipe_file), "--local-files-only"]) == 1
+    err = capsys.readouterr().err
+    assert "model-00002-of-00003.safetensors: unreadable safetensors header" in err
+
+
 def test_run_refuses_a_hub_id_without_a_complete_local_copy(
     hf_cache, smollm2_path, tmp_path, capsys
 ):
@@ -247,6 +265,16 @@ def test_run_refuses_a_hub_id_without_a_complete_local_copy(
     err = capsys.readouterr().err
     assert "refusing to start the run" in err and "is incomplete" in err
     assert f"`eyrie pull {recipe_file}` (it resumes)" in err and "no *.safetensors" in err
+
+
+def test_uncapped_datasets_are_planned_without_data_sizes(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path / "data"))
+    recipe = resolve_recipe(
+        {"name": "open", "target": {"path": str(smollm2_path)}, "datasets": [{"preset": "math"}]}
+    )
+    plan = make_plan(recipe)
+    assert plan.samples is None and plan.tokens == 0 and plan.problems == []
+    assert "prep.max_samples" in plan.notes[0]
 
 
 def test_run_refuses_a_run_the_disk_cannot_hold(smollm2_path, tmp_path, monkeypatch, capsys):
@@ -334,3 +362,34 @@ def test_train_job_timeout_is_sized_from_the_runs_tokens(data_dir):
     # 83M tokens × 10 epochs / 10,000 tokens/s × 3: about 69 h, not a fixed 48 h
     assert train.job_timeout(recipe, store) == int(83e6 * 10 / 10_000 * 3)
     assert get_stage("export").job_timeout(recipe, store) == get_stage("export").timeout_s
+
+
+@pytest.mark.slow
+def test_a_tokenized_run_is_planned_from_its_own_token_counts(smollm2_path, data_dir):
+    from shared.artifacts import RunStore
+    from tests.conftest import run_stage
+
+    samples = ROOT / "tests" / "fixtures" / "samples" / "sharegpt_fastchat_dummy.json"
+    recipe = resolve_recipe(
+        {
+            "name": "counted",
+            "target": {"path": str(smollm2_path)},
+            "datasets": [{"path": str(samples), "format": "sharegpt", "max_samples": 30}],
+            "prep": {"shard_rows": 10, "max_len_tokens": 512},
+            "regen": {"enabled": False},
+        }
+    )
+    store = RunStore.create(recipe)
+    before = make_plan(recipe)
+    assert before.tokens == 30 * 512  # estimate: mean_sample_tokens capped at max_len_tokens
+    for name in ("plan", "prep", "dedup", "split", "tokenize"):
+        run_stage(store, name)
+    counted = sum(
+        len(ids)
+        for s in range(store.plan.num_shards())
+        for ids in store.tokenize.dataset(s)["input_ids"]
+    )
+    after = make_plan(recipe)
+    assert after.tokens == counted and 0 < counted < 30 * 512
+    extract = next(s for s in after.stages if s.name == "extract")
+    assert extract.disk_bytes == counted * 4 * 576 * 2  # SmolLM2: 3 aux + final, H 576, bf16
