@@ -294,7 +294,7 @@ def test_answer_without_token_ids_is_service_unavailable(serve):
 # -- the regen stage over the same server -------------------------------------------------
 
 
-def _stage_store(smollm2_path, tmp_path, prompts: list[str]):
+def _stage_store(smollm2_path, tmp_path, prompts: list[str], **regen):
     from tests.regen.realdata import store_with_dedup
 
     rows = [
@@ -311,7 +311,13 @@ def _stage_store(smollm2_path, tmp_path, prompts: list[str]):
         "name": "regen-client",
         "target": {"path": str(smollm2_path)},
         "datasets": [{"path": "replaced.jsonl"}],
-        "regen": {"max_retries": 1, "request_timeout_s": 10, "max_turns": 1, "max_tokens": 16},
+        "regen": {
+            "max_retries": 1,
+            "request_timeout_s": 10,
+            "max_turns": 1,
+            "max_tokens": 16,
+            **regen,
+        },
         "serve": {"served_model_name": "m"},
     }
     store, _ = store_with_dedup(recipe, tmp_path / "data", rows)
@@ -342,6 +348,27 @@ def test_stage_counts_a_rejected_row_and_keeps_the_others(serve, smollm2_path, t
         assert r.messages[-1].content == f"answer to {rows[r.row]}"
         assert r.turns[0].prompt_token_ids == [1, 2, 3]
     assert len(srv.requests) == 3  # the rejection was not retried
+
+
+def test_stage_counts_a_slow_row_on_a_healthy_server_and_keeps_the_others(
+    serve, smollm2_path, tmp_path
+):
+    from tests.conftest import run_stage
+
+    def script(n, body):
+        if "SLOW" in body["messages"][-1]["content"]:
+            time.sleep(2.5)  # past the 1 s request timeout
+        return 200, {}, vllm_body(f"answer to {body['messages'][-1]['content']}")
+
+    srv = serve(script, healthy=True)
+    store = _stage_store(
+        smollm2_path, tmp_path, ["first question", "SLOW one", "third one"], request_timeout_s=1
+    )
+    (m,) = run_stage(store, "regen", urls={"baseline": srv.url})
+    assert (m.counts["input"], m.counts["success"], m.counts["error"]) == (3, 2, 1)
+    assert m.counts["error:request_timeout"] == 1
+    (bad,) = store.regen.errors_path(0).read_text().splitlines()
+    assert "raise regen.request_timeout_s" in json.loads(bad)["detail"]
 
 
 def test_stage_fails_without_a_manifest_when_the_server_stays_down(serve, smollm2_path, tmp_path):
