@@ -4,7 +4,8 @@ vLLM servers run with the hub offline (`HF_HUB_OFFLINE=1`, both backends), so a 
 names a hub id is served from a local copy in the Hugging Face cache (`$HF_HOME/hub`, the
 `hf-cache` volume the workers and the vLLM container share). `eyrie pull RECIPE` makes that
 copy with `huggingface_hub.snapshot_download` (resumable: interrupted files continue from
-their `.incomplete` part; progress bars; `target.revision`), then checks it:
+their `.incomplete` part; progress bars; `target.revision`; each file's size checked against
+the hub's as it lands), then checks the copy as a whole:
 
 - every file named by `model.safetensors.index.json` exists and holds the tensors the index
   maps to it;

