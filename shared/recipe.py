@@ -195,7 +195,12 @@ class RegenConfig(Section):
     )
     concurrency: int = Field(16, gt=0, description="In-flight requests per regen job.")
     max_turns: int = Field(4, gt=0, description="Assistant turns regenerated per conversation.")
-    request_timeout_s: float = Field(300, gt=0, description="Per-request timeout in seconds.")
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Per-request timeout in seconds; None = sized from max_tokens at "
+        "rates.decode_tokens_per_s (shared.sizing.regen_request_timeout_s).",
+    )
     max_retries: int = Field(4, ge=0, description="Retries on 5xx/connection errors (backoff).")
     max_repeat_share: float | None = Field(
         0.6,
@@ -378,8 +383,73 @@ class ServeConfig(Section):
     )
     served_model_name: str | None = Field(None, description="Name clients use; None = recipe name.")
     image: str = Field("vllm/vllm-openai:v0.33.1", description="vLLM image (docker backend).")
+    reasoning_parser: str | None = Field(
+        None,
+        description="vLLM --reasoning-parser (e.g. 'kimi_k2'): splits the reasoning out of "
+        "answers; regen keeps it as reasoning_content. None = no parser.",
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM --tool-call-parser (e.g. 'kimi_k2'), with --enable-auto-tool-choice. "
+        "None = no tool parsing.",
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI arguments.")
-    startup_timeout_s: float = Field(600, gt=0, description="Readiness timeout in seconds.")
+    startup_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Readiness timeout in seconds; None = sized from the target's weight "
+        "bytes at rates.load_bytes_per_s plus a margin (shared.sizing.startup_timeout_s).",
+    )
+
+
+class RatesConfig(Section):
+    """Stated throughputs and sizes that `eyrie plan` and the sized timeouts work from.
+
+    Defaults are the known Kimi-K2.5 run on one 8×H200 node; restate them for other nodes.
+    """
+
+    load_bytes_per_s: float = Field(
+        405e6,
+        gt=0,
+        description="Bytes of target weights vLLM loads per second at start-up (547 GB in "
+        "22.5 min = 405 MB/s at tensor-parallel 8).",
+    )
+    startup_margin_s: float = Field(
+        300, ge=0, description="Seconds added to the sized start-up timeout (compile, warm-up)."
+    )
+    decode_tokens_per_s: float = Field(
+        5.0,
+        gt=0,
+        description="Slowest per-request decode rate in tokens/s that regen still accepts "
+        "(at full concurrency); sizes regen.request_timeout_s when that is None.",
+    )
+    extract_tokens_per_s: float = Field(
+        2912, gt=0, description="Tokens/s of hidden-state extraction (whole node)."
+    )
+    regen_tokens_per_s: float = Field(
+        5000, gt=0, description="Generated tokens/s of the regen server (whole node)."
+    )
+    train_tokens_per_s: float = Field(
+        10000,
+        gt=0,
+        description="Trained tokens/s of one training process (all TTT steps of a token count "
+        "once). Default: a Kimi-sized draft costs ~23 GFLOP per token (6 × 1.1B trained "
+        "params × 3 TTT steps + the teacher head), ~10K tokens/s at 30 % of an H200's bf16 peak.",
+    )
+    timeout_factor: float = Field(
+        3.0, ge=1, description="Sized job timeouts allow this many times the estimated time."
+    )
+    mean_sample_tokens: int = Field(
+        1000,
+        gt=0,
+        description="Mean tokens per tokenized sample (prompt + answers) for estimates made "
+        "before the tokenize stage has counted them.",
+    )
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one GPU in GiB; None = nvidia-smi's, or unknown (no check).",
+    )
 
 
 class Recipe(Section):
@@ -407,6 +477,9 @@ class Recipe(Section):
         default_factory=BenchConfig, description="Benchmark of the served draft."
     )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="vLLM servers.")
+    rates: RatesConfig = Field(
+        default_factory=RatesConfig, description="Stated rates for `eyrie plan` and timeouts."
+    )
 
     @field_validator("name")
     @classmethod

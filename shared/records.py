@@ -178,6 +178,9 @@ class PrepReport(Record):
     `fields` counts message fields read under another name (`reasoning_alias:thinking`) and
     fields no adapter knows (`unknown_field:assistant.<name>`): kept rows, not dropped data
     left unseen.
+
+    Attributes:
+        per_source: per source dataset (`DataSource.name`): `rows_in`, `kept`, `skipped`.
     """
 
     rows_in: int
@@ -189,6 +192,9 @@ class PrepReport(Record):
     )
     fields: dict[str, int] = Field(
         default_factory=dict, description="assistant message field -> rows that had it"
+    )
+    per_source: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="source dataset name -> rows_in, kept, skipped"
     )
 
 

@@ -118,6 +118,8 @@ class Stage:
         release: frees accelerator memory when the phase's queue has drained.
         warm: imports what the body needs, run once by a forking worker before it forks
             its work-horses (so each job does not pay for them).
+        sized_timeout: `fn(recipe, store) -> seconds`, the job timeout sized from the run's
+            work (replaces `timeout_s` when given); see `job_timeout`.
     """
 
     name: str
@@ -132,6 +134,11 @@ class Stage:
     side_by_side: Callable[[Recipe], bool] = _always
     release: Callable[[], None] | None = None
     warm: Callable[[], None] | None = None
+    sized_timeout: Callable[[Recipe, RunStore], int] | None = None
+
+    def job_timeout(self, recipe: Recipe, store: RunStore) -> int:
+        """The rq job timeout in seconds: `sized_timeout`'s when declared, else `timeout_s`."""
+        return self.sized_timeout(recipe, store) if self.sized_timeout else self.timeout_s
 
     def shard_numbers(self, store: RunStore) -> list[int]:
         """The shard numbers of this stage in the run (per-plan stages read the plan)."""
@@ -168,6 +175,7 @@ def stage(
     side_by_side: Callable[[Recipe], bool] = _always,
     release: Callable[[], None] | None = None,
     warm: Callable[[], None] | None = None,
+    sized_timeout: Callable[[Recipe, RunStore], int] | None = None,
 ) -> Callable[[Callable[[StageContext], ShardResult]], Callable[[StageContext], ShardResult]]:
     """Declare the decorated function as stage `name` (see `Stage` for the fields).
 
@@ -182,7 +190,7 @@ def stage(
             raise ConfigError(f"stage {name!r} is declared twice")
         STAGES[name] = Stage(
             name, queue, timeout_s, body, shards, after, gpu_phase, enabled, server,
-            side_by_side, release, warm,
+            side_by_side, release, warm, sized_timeout,
         )  # fmt: skip
         return body
 

@@ -21,9 +21,8 @@ from shared.recipe import Recipe, looks_local
 def target_config(recipe: Recipe) -> dict[str, Any]:
     """The target's normalized config (`normalize_config`) as a dict.
 
-    A local folder's `config.json` is read directly; anything else is treated as a hub id and
-    loaded with transformers' AutoConfig (revision and trust_remote_code from the recipe).
-    Both then go through `normalize_config`, so a local folder and the hub give the same keys.
+    Read with `raw_target_config`, normalized (so a local folder and the hub give the same
+    keys), then checked against the recipe.
 
     Raises:
         ConfigError: the path does not exist (named in the message), the config cannot be
@@ -31,22 +30,41 @@ def target_config(recipe: Recipe) -> dict[str, Any]:
             `hidden_size` or `vocab_size`.
     """
     t = recipe.target
+    cfg = normalize_config(raw_target_config(recipe), t.path)
+    check_expected(recipe, cfg)
+    return cfg
+
+
+def raw_target_config(recipe: Recipe) -> dict[str, Any]:
+    """The target's whole `config.json` (a multimodal wrapper keeps its `text_config`).
+
+    A local folder is read directly, a hub id from its snapshot in the local Hugging Face
+    cache (`shared.model.local_snapshot`); a hub id without one is loaded with
+    transformers' AutoConfig (revision and trust_remote_code from the recipe).
+
+    Raises:
+        ConfigError: the folder does not exist or has no config.json, the file is not a
+            JSON object, or the hub config cannot be loaded.
+    """
+    from shared.model import local_snapshot
+
+    t = recipe.target
     path = Path(t.path)
+    if not path.is_dir() and not (looks_local(t.path) or path.exists()):
+        snap = local_snapshot(recipe)
+        if snap is not None and (snap / "config.json").is_file():
+            path = snap
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ConfigError(f"target.path: {path} has no config.json (not an HF model folder)")
-        cfg = read_config_file(cfg_file)
-    elif looks_local(t.path) or path.exists():
+        return read_config_file(cfg_file)
+    if looks_local(t.path) or path.exists():
         raise ConfigError(
             f"target.path: model folder {t.path} does not exist "
             "(for the CPU demo, scripts/setup converts SmolLM2 into $EYRIE_CACHE/models)"
         )
-    else:
-        cfg = _hub_config(recipe)
-    cfg = normalize_config(cfg, t.path)
-    check_expected(recipe, cfg)
-    return cfg
+    return _hub_config(recipe)
 
 
 def read_config_file(path: Path, field: str = "target.path") -> dict[str, Any]:

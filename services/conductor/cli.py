@@ -57,10 +57,12 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from services.conductor.driver import DriveOptions, drive
+    from services.conductor.plan import refuse_unless_fits
     from shared.artifacts import RunStore
     from shared.queue import connect
 
     recipe = _load(args, check_inputs=True)
+    refuse_unless_fits(recipe, args.recipe)
     conn = connect()
     store = RunStore.create(recipe, command=" ".join(sys.argv))
     print(f"run {store.run_id} at {store.root}", flush=True)

@@ -106,7 +106,8 @@ def run_stage(
     for group in stage.shard_groups(recipe, todo):
         with stage_phase(stage, store, recipe, conn, group, opts) as lease_ok:
             for shard in group:
-                spec = JobSpec(stage.queue, store.run_id, stage.name, shard, stage.timeout_s)
+                timeout = stage.job_timeout(recipe, store)
+                spec = JobSpec(stage.queue, store.run_id, stage.name, shard, timeout)
                 outage.call(enqueue, spec, conn)
             _wait(stage, store, conn, group, opts, on_tick, outage, lease_ok)
     return True
@@ -131,6 +132,7 @@ def _wait(
             if reason is not None:
                 raise StageFailedError(
                     f"stage {stage.name} shard {s} of {store.run_id} failed: {reason}"
+                    + _timeout_hint(stage, reason)
                 )
         if time.monotonic() - last_reconcile > opts.reconcile_every_s:
             for jid in reconcile(conn, (stage.queue,), opts.stale_after_s):
@@ -147,6 +149,19 @@ def _wait(
         if on_tick:
             on_tick()
         time.sleep(opts.poll_s)
+
+
+def _timeout_hint(stage: Stage, reason: str) -> str:
+    """What to raise when rq killed the job at its timeout ('' for other failures)."""
+    if "JobTimeoutException" not in reason:
+        return ""
+    if stage.sized_timeout is not None:
+        return (
+            f" (the {stage.name} job timeout is sized from the run's work at the recipe's "
+            "stated rates: raise rates.timeout_factor, or restate the rate, e.g. "
+            "rates.train_tokens_per_s)"
+        )
+    return f" (the {stage.name} job timeout is the stage declaration's timeout_s)"
 
 
 def drive(

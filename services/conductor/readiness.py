@@ -70,7 +70,8 @@ def wait_ready(
                     return [m["id"] for m in models.json().get("data", [])]
             if time.monotonic() > deadline:
                 raise ServiceUnavailableError(
-                    f"vLLM server at {url} not ready after {timeout_s:.0f}s "
-                    f"(serve.startup_timeout_s); log {log_path}:\n{log_tail(log_path)}"
+                    f"vLLM server at {url} not ready after {timeout_s:.0f}s; raise "
+                    "serve.startup_timeout_s (unset, it is the weights' size at "
+                    f"rates.load_bytes_per_s); log {log_path}:\n{log_tail(log_path)}"
                 )
             time.sleep(poll_s)

@@ -35,7 +35,9 @@ from services.conductor.readiness import wait_ready
 from shared import vllm
 from shared.artifacts import RunStore
 from shared.errors import ConfigError
+from shared.model import is_hub_id, local_snapshot, target_weight_bytes
 from shared.recipe import Recipe
+from shared.sizing import startup_timeout_s
 from shared.store import atomic_write_json, data_root, make_dirs
 
 log = logging.getLogger("eyrie.serve")
@@ -105,11 +107,19 @@ class Backend:
             port: override of the recipe's port for this mode.
 
         Raises:
+            ConfigError: the target is a hub id with no local copy (`eyrie pull`).
             ContractMismatchError: the eagle3 preflight refused the draft.
             ServiceUnavailableError: the server died or was not ready in
-                `serve.startup_timeout_s`; it is stopped before raising.
+                the start-up timeout (`serve.startup_timeout_s`, else sized from the
+                weights by `shared.sizing.startup_timeout_s`); it is stopped before raising.
         """
         vllm.check_mode(mode)
+        if is_hub_id(recipe.target.path) and local_snapshot(recipe) is None:
+            # vLLM runs with the hub offline: it would die on start, its log gone with it.
+            raise ConfigError(
+                f"target.path: {recipe.target.path} has no local copy in the Hugging Face "
+                "cache; run `eyrie pull RECIPE` before starting a server"
+            )
         if mode == "eagle3" and draft_dir is None:
             raise ConfigError("serve --mode eagle3 needs a draft folder (--draft DIR)")
         # Every mode: the final arguments (serve.extra_args included) as vLLM parses them.
@@ -123,7 +133,7 @@ class Backend:
             log.info("waiting for %s server at %s", mode, url)
             wait_ready(
                 url,
-                recipe.serve.startup_timeout_s,
+                startup_timeout_s(recipe, target_weight_bytes(recipe)),
                 lambda: self.alive(handle),
                 Path(handle.log_path) if handle.log_path else None,
             )

@@ -69,8 +69,11 @@ def prep_stage(ctx: StageContext) -> ShardResult:
     realigned: Counter[str] = Counter()
     fields: Counter[str] = Counter()
     rows = _read_shard(ctx)
+    per_source: dict[str, Counter[str]] = {}
     for d, row, raw in rows:
         meta = plan.datasets[d]
+        src = per_source.setdefault(meta.source.name, Counter(rows_in=0, kept=0, skipped=0))
+        src["rows_in"] += 1
         try:
             if isinstance(raw, RowError):
                 _refuse_bad_bytes(ctx, d, meta.load.file, row, raw)
@@ -79,6 +82,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         except RowRejected as e:
             skipped[e.reason] += 1
             by_source.setdefault(meta.source.name, Counter())[e.reason] += 1
+            src["skipped"] += 1
             shown = "" if isinstance(raw, RowError) else _raw_text(raw)
             quarantined.append(
                 QuarantinedRow(
@@ -93,6 +97,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
             continue
         realigned.update(adapted.realigned)
         fields.update(adapted.fields)
+        src["kept"] += 1
         kept.append(
             Conversation.model_validate(
                 {
@@ -110,6 +115,7 @@ def prep_stage(ctx: StageContext) -> ShardResult:
         realigned=dict(sorted(realigned.items())),
         skipped_by_source={s: dict(sorted(c.items())) for s, c in sorted(by_source.items())},
         fields=dict(sorted(fields.items())),
+        per_source={name: dict(c) for name, c in sorted(per_source.items())},
     )
     files = ctx.store.prep.write(ctx.shard, kept, quarantined, report)
     if rows and len(kept) / len(rows) < cfg.min_kept_fraction:

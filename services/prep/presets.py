@@ -76,6 +76,9 @@ for _p in [
     Preset("gsm8k", "openai/gsm8k", "train", "gsm8k", "main"),
     Preset("math", "EleutherAI/hendrycks_math", "train", "math", "algebra"),
     Preset("opencodeinstruct", "nvidia/OpenCodeInstruct", "train", "opencodeinstruct"),
+    # Tool use: LLaMA-Factory's Glaive function-calling set, ShareGPT with function_call /
+    # observation turns and a `tools` JSON string (tests/fixtures/samples has its demo).
+    Preset("glaive-toolcall", "llamafactory/glaive_toolcall_en", "train", "sharegpt_tools"),
     Preset("sharegpt-v3-wheel", "", "train", "sharegpt", local="sharegpt-v3-wheel"),
 ]:
     register(_p)

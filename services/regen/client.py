@@ -12,7 +12,11 @@ Failure policy:
   fails and a rerun resumes, rather than marking good rows as errors;
 - any other 4xx (e.g. a prompt longer than max-model-len) is the server rejecting this row:
   `RejectedError`, which the job counts and moves on; except 404 (wrong model name or
-  route), which would fail every row alike and so stops the job.
+  route), which would fail every row alike and so stops the job;
+- a request that still times out after the retries while the server's `/health` answers
+  is this row being slow (a long answer at a slow decode rate), not the server being down:
+  `RequestTimeoutError`, counted like a rejected row, its message naming the setting to
+  raise (`regen.request_timeout_s`, sized from `regen.max_tokens` when unset).
 """
 
 from __future__ import annotations
@@ -33,6 +37,19 @@ class RejectedError(EyrieError):
     def __init__(self, status: int, detail: str):
         super().__init__(f"server rejected the request ({status}): {detail}")
         self.status, self.detail = status, detail
+
+
+class RequestTimeoutError(RejectedError):
+    """No answer within the request timeout, while the server itself is healthy."""
+
+    def __init__(self, timeout_s: float):
+        detail = (
+            f"no answer within {timeout_s:.0f}s while the server is healthy; raise "
+            "regen.request_timeout_s (unset, it is regen.max_tokens at "
+            "rates.decode_tokens_per_s)"
+        )
+        super().__init__(408, detail)
+        self.timeout_s = timeout_s
 
 
 @dataclass
@@ -112,7 +129,9 @@ class ChatClient:
         self.url = f"{base_url}/v1"
         self.model, self.sampling = model, dict(sampling)
         self.kwargs = dict(chat_template_kwargs)
-        self.max_retries = max_retries
+        self.max_retries, self.timeout_s = max_retries, timeout_s
+        self.base_url = base_url
+        self.api_key = api_key
         self.openai = AsyncOpenAI(
             base_url=self.url,
             api_key=api_key or "EMPTY",
@@ -131,6 +150,7 @@ class ChatClient:
 
         Raises:
             RejectedError: 4xx other than 404/408/409/429 (a bad row).
+            RequestTimeoutError: timed out after the retries, but the server is healthy.
             ServiceUnavailableError: still failing after the retries, or 404.
         """
         import openai
@@ -150,6 +170,13 @@ class ChatClient:
                 f"{self.url}: 404 for model {self.model!r}: {e.message}. Check "
                 "serve.served_model_name and that the baseline server serves the target."
             ) from e
+        except openai.APITimeoutError as e:
+            if await self.healthy():
+                raise RequestTimeoutError(self.timeout_s) from e
+            raise ServiceUnavailableError(
+                f"{self.url}: no answer after {self.max_retries} retries (regen.max_retries) "
+                f"and /health does not answer; last error: {type(e).__name__}: {e}"
+            ) from e
         except (openai.APIStatusError, openai.APIConnectionError) as e:
             status = getattr(e, "status_code", None)
             if status is not None and status not in RETRIED_STATUSES and status < 500:
@@ -159,6 +186,17 @@ class ChatClient:
                 f"last error: {type(e).__name__}: {e}. Is the baseline server up?"
             ) from e
         return parse_response(resp.model_dump())
+
+    async def healthy(self) -> bool:
+        """Whether the server's `/health` answers 200 within 10 s."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with httpx.AsyncClient(timeout=10.0, headers=headers) as c:
+                return (await c.get(f"{self.base_url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def aclose(self) -> None:
         await self.openai.close()

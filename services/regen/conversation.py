@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.regen.client import ChatClient, ChatResult, RejectedError
+from services.regen.client import ChatClient, ChatResult, RejectedError, RequestTimeoutError
 from services.regen.quality import AnswerPolicy
 from shared.chat import TemplateRenderError
 from shared.records import Conversation, Message, RegenTurn
@@ -41,8 +41,9 @@ class Outcome:
     Attributes:
         status: success, error or skipped.
         reason: why not success (`prompt_too_long`, `no_user_turn`, `tool_calls`,
-            `server_rejected`, `template_render_error`), or why a success stopped early
-            ('' = not early).
+        reason: why not success (`prompt_too_long`, `no_user_turn`, `tool_calls`,
+            `server_rejected`, `request_timeout`, `template_render_error`), or why a success
+            stopped early ('' = not early).
         detail: human-readable detail (server message, token counts).
         messages: the regenerated conversation (success only).
         turns: per answer, the ids the server saw and sampled.
@@ -143,7 +144,10 @@ class Regenerator:
             try:
                 res = await self.client.chat(history, tools)
             except RejectedError as e:
-                out.reason, out.detail = "server_rejected", f"turn {len(out.turns)}: {e.detail}"
+                reason = (
+                    "request_timeout" if isinstance(e, RequestTimeoutError) else "server_rejected"
+                )
+                out.reason, out.detail = reason, f"turn {len(out.turns)}: {e.detail}"
                 return False
             bad = self.policy and self.policy.verdict(
                 res.completion_token_ids, res.finish_reason, res.text
@@ -171,7 +175,7 @@ class Regenerator:
     @staticmethod
     def _finish(out: Outcome, history: list[dict[str, Any]]) -> Outcome:
         if not out.turns:
-            out.status = ERROR if out.reason == "server_rejected" else SKIPPED
+            out.status = ERROR if out.reason in ("server_rejected", "request_timeout") else SKIPPED
             out.reason = out.reason or "no_user_turn"
             return out
         last = max(i for i, m in enumerate(history) if m["role"] == "assistant")

@@ -28,6 +28,7 @@ from services.regen.quality import AnswerPolicy
 from shared.errors import ArtifactError, ServiceUnavailableError
 from shared.recipe import Recipe
 from shared.records import Conversation, RegenFailure, RegenRecord
+from shared.sizing import regen_request_timeout_s
 from shared.stage import HOUR_S, PER_PLAN_SHARD, ShardResult, StageContext, stage
 from shared.vllm import api_key, served_model_name
 
@@ -95,7 +96,7 @@ def make_client(recipe: Recipe, base_url: str) -> ChatClient:
         served_model_name(recipe),
         {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_tokens},
         recipe.target.chat_template_kwargs,
-        r.request_timeout_s,
+        regen_request_timeout_s(recipe),
         r.max_retries,
         api_key=api_key(),
     )

@@ -1,5 +1,7 @@
 """The train and export stages (queue `train`, GPU phase `train`).
 
+- train's job timeout is sized from the run's tokenized tokens × epochs at
+  `rates.train_tokens_per_s` (`shared.sizing.train_timeout_s`);
 - train resumes from its latest checkpoint (a killed trainer loses at most
   `train.step_checkpoint_every` steps) and validates on the held-out split every epoch;
 - export rewrites its folders atomically from the chosen checkpoint; its manifest follows a
@@ -20,6 +22,7 @@ from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ConfigError, ContractMismatchError, StageFailedError
 from shared.recipe import Recipe
 from shared.records import BestCheckpoint
+from shared.sizing import train_timeout_s
 from shared.stage import HOUR_S, ShardResult, StageContext, stage
 from shared.target import target_config
 
@@ -36,6 +39,12 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def _train_timeout_s(recipe: Recipe, store: RunStore) -> int:
+    """The train job's timeout: the run's tokenized tokens × epochs at the stated rate."""
+    tokens = sum(m.counts.get("tokens", 0) for m in store.manifests("tokenize"))
+    return train_timeout_s(recipe, tokens)
+
+
 @stage(
     "train",
     queue="train",
@@ -43,6 +52,7 @@ def _release() -> None:
     after=("extract", "vocab", "split"),
     gpu_phase="train",
     release=_release,
+    sized_timeout=_train_timeout_s,
 )
 def train_stage(ctx: StageContext) -> ShardResult:
     """Train the draft on the run's extracted hidden states (single job).

@@ -160,6 +160,21 @@ def test_serving_refuses_before_starting_anything(recipe, smollm2_path, tmp_path
     assert not list((tmp_path / "data").glob("serve/*.json"))
 
 
+def test_a_hub_id_without_a_local_copy_starts_no_server(recipe, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from shared.errors import ConfigError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path / "data"))
+    hub = resolve_recipe({**recipe.model_dump(mode="json"), "target": {"path": "acme/absent"}})
+    store = RunStore.create(hub, root=tmp_path / "data")
+    with pytest.raises(ConfigError, match="acme/absent has no local copy.*eyrie pull"):
+        with serving(hub, store, ["baseline"]):
+            pytest.fail("the body must not run")
+    assert not store.serve.log_path("baseline").exists()
+
+
 def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
     """A port from the ephemeral range can be taken by any outgoing connection before the
     server binds it (a CI demo lost its vLLM port that way)."""

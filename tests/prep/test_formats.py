@@ -67,8 +67,10 @@ def test_glaive_tool_calls_and_observations():
     assert call["name"] == "search_recipes"
     assert json.loads(call["arguments"]) == {"ingredients": ["chicken", "bell peppers", "rice"]}
     assert isinstance(a.tools, list) and a.tools[0]["name"]
+    # The tool-use preset reads the full hub set of which this file is LLaMA-Factory's demo.
+    adapter = get_preset("glaive-toolcall").adapter
     total_calls = sum(
-        len(m.get("tool_calls", [])) for r in rows for m in _norm("sharegpt_tools", r).messages
+        len(m.get("tool_calls", [])) for r in rows for m in _norm(adapter, r).messages
     )
     assert total_calls == 211  # SOURCES.md: 211 function_call turns
 
@@ -220,6 +222,7 @@ def test_presets_registry():
         "gsm8k",
         "math",
         "opencodeinstruct",
+        "glaive-toolcall",
         "sharegpt-v3-wheel",
     } == set(PRESETS)
     assert all(p.adapter in ADAPTERS for p in PRESETS.values())

@@ -459,3 +459,38 @@ def test_prep_stats_lists_every_reason(tmp_path, data_dir, smollm2_path, capsys)
     assert main(["prep-stats", store.run_id]) == 0
     out = capsys.readouterr().out
     assert "    dropped:template_cannot_render_tool_calls: 1\n" in out
+
+
+def test_prep_report_counts_per_dataset_of_a_weighted_mix(tmp_path, data_dir, smollm2_path):
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl", [conv(f"Hi {i}?", f"Hello {i}.") for i in range(20)]
+    )
+    alpaca = [
+        {"instruction": f"Add {i} and {i}.", "input": "", "output": str(2 * i)} for i in range(20)
+    ]
+    alpaca.append({"instruction": "", "input": "", "output": ""})  # rejected: empty prompt
+    instr = write_jsonl(tmp_path / "instr.jsonl", alpaca)
+    recipe = make_recipe(
+        smollm2_path,
+        [{"path": str(chat), "weight": 3.0}, {"path": str(instr), "weight": 1.0}],
+        max_samples=20,
+    )
+    store = RunStore.create(recipe)
+    n = run_all(store, until="prep")
+    plan = store.plan.read()
+    # 20 split 3:1 by weight (largest remainder): 15 and 5
+    assert [d.selected for d in plan.datasets] == [15, 5]
+    names = [d.source.name for d in plan.datasets]
+    totals: dict[str, dict[str, int]] = {}
+    for s in range(n):
+        rep = json.loads(store.prep.report_path(s).read_text())
+        for name, c in rep["per_source"].items():
+            agg = totals.setdefault(name, {"rows_in": 0, "kept": 0, "skipped": 0})
+            for k in agg:
+                agg[k] += c[k]
+        assert sum(c["kept"] for c in rep["per_source"].values()) == rep["kept"]
+    assert totals[names[0]] == {"rows_in": 15, "kept": 15, "skipped": 0}
+    assert totals[names[1]]["rows_in"] == 5
+    assert totals[names[1]]["kept"] + totals[names[1]]["skipped"] == 5
+    kept_ids = [c.id for s in range(n) for c in store.prep.conversations(s)]
+    assert sum(i.startswith(names[1] + ":") for i in kept_ids) == totals[names[1]]["kept"]

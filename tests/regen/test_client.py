@@ -8,7 +8,9 @@ headers, body) and records what it received; nothing of the SDK is replaced. Pol
   server is down: `ServiceUnavailableError` (the job fails and a rerun resumes);
 - 404 (wrong model or route) stops the job at once: `ServiceUnavailableError`, no retry;
 - any other 4xx is this row's fault: `RejectedError` with the server's message, no retry;
-- a 200 without vLLM's token ids is `ServiceUnavailableError` (no retry fixes it).
+- a 200 without vLLM's token ids is `ServiceUnavailableError` (no retry fixes it);
+- a timeout after the retries is the server being down only when `/health` fails too;
+  with a healthy server it is this row being slow: `RequestTimeoutError`.
 The regen stage over the same server counts a rejected row as an error and moves on, but
 fails without a manifest when the server stays down.
 """
@@ -27,7 +29,7 @@ from typing import Any
 import pytest
 
 from services.conductor.processes import free_port
-from services.regen.client import ChatClient, RejectedError
+from services.regen.client import ChatClient, RejectedError, RequestTimeoutError
 from shared.errors import ServiceUnavailableError
 
 Reply = tuple[int, dict[str, str], Any]
@@ -75,17 +77,24 @@ class ScriptedServer:
     requests: list[Recorded] = field(default_factory=list)
     delay_s: float = 0.0
     url: str = ""
+    healthy: bool = False
 
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., ScriptedServer]]:
     servers: list[ThreadingHTTPServer] = []
 
-    def start(script, delay_s: float = 0.0) -> ScriptedServer:
-        state = ScriptedServer(script, delay_s=delay_s)
+    def start(script, delay_s: float = 0.0, healthy: bool = False) -> ScriptedServer:
+        state = ScriptedServer(script, delay_s=delay_s, healthy=healthy)
         lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                ok = self.path == "/health" and state.healthy
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_POST(self):  # noqa: N802 (http.server's name)
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 body = json.loads(raw or b"{}")
@@ -241,6 +250,14 @@ def test_timeout_is_retried_then_service_unavailable(serve):
     assert len(srv.requests) == 2
 
 
+def test_timeout_with_a_healthy_server_is_a_slow_row_not_a_down_server(serve):
+    srv = serve(_always((200, {}, vllm_body())), delay_s=3, healthy=True)
+    with pytest.raises(RequestTimeoutError, match="raise regen.request_timeout_s") as e:
+        _chat(_client(srv.url, max_retries=1, timeout_s=0.5))
+    assert isinstance(e.value, RejectedError) and e.value.status == 408
+    assert len(srv.requests) == 2  # still retried first
+
+
 def test_400_is_a_rejected_row_not_retried(serve):
     msg = "This model's maximum context length is 2048 tokens. However, you requested 9000."
     srv = serve(_always((400, {}, vllm_error(400, msg))))
@@ -277,7 +294,7 @@ def test_answer_without_token_ids_is_service_unavailable(serve):
 # -- the regen stage over the same server -------------------------------------------------
 
 
-def _stage_store(smollm2_path, tmp_path, prompts: list[str]):
+def _stage_store(smollm2_path, tmp_path, prompts: list[str], **regen):
     from tests.regen.realdata import store_with_dedup
 
     rows = [
@@ -294,7 +311,13 @@ def _stage_store(smollm2_path, tmp_path, prompts: list[str]):
         "name": "regen-client",
         "target": {"path": str(smollm2_path)},
         "datasets": [{"path": "replaced.jsonl"}],
-        "regen": {"max_retries": 1, "request_timeout_s": 10, "max_turns": 1, "max_tokens": 16},
+        "regen": {
+            "max_retries": 1,
+            "request_timeout_s": 10,
+            "max_turns": 1,
+            "max_tokens": 16,
+            **regen,
+        },
         "serve": {"served_model_name": "m"},
     }
     store, _ = store_with_dedup(recipe, tmp_path / "data", rows)
@@ -325,6 +348,27 @@ def test_stage_counts_a_rejected_row_and_keeps_the_others(serve, smollm2_path, t
         assert r.messages[-1].content == f"answer to {rows[r.row]}"
         assert r.turns[0].prompt_token_ids == [1, 2, 3]
     assert len(srv.requests) == 3  # the rejection was not retried
+
+
+def test_stage_counts_a_slow_row_on_a_healthy_server_and_keeps_the_others(
+    serve, smollm2_path, tmp_path
+):
+    from tests.conftest import run_stage
+
+    def script(n, body):
+        if "SLOW" in body["messages"][-1]["content"]:
+            time.sleep(2.5)  # past the 1 s request timeout
+        return 200, {}, vllm_body(f"answer to {body['messages'][-1]['content']}")
+
+    srv = serve(script, healthy=True)
+    store = _stage_store(
+        smollm2_path, tmp_path, ["first question", "SLOW one", "third one"], request_timeout_s=1
+    )
+    (m,) = run_stage(store, "regen", urls={"baseline": srv.url})
+    assert (m.counts["input"], m.counts["success"], m.counts["error"]) == (3, 2, 1)
+    assert m.counts["error:request_timeout"] == 1
+    (bad,) = store.regen.errors_path(0).read_text().splitlines()
+    assert "raise regen.request_timeout_s" in json.loads(bad)["detail"]
 
 
 def test_stage_fails_without_a_manifest_when_the_server_stays_down(serve, smollm2_path, tmp_path):

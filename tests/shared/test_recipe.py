@@ -1,5 +1,6 @@
 """Recipe schema: errors name their YAML path, every field is documented, recipes validate."""
 
+import math
 import typing
 from pathlib import Path
 
@@ -41,9 +42,23 @@ def test_kimi_recipe_settings():
     assert (t.num_hidden_layers, t.hidden_size, t.vocab_size) == (61, 7168, 163840)
     assert t.trust_remote_code is True
     assert r.draft.draft_vocab_size == 32000 and r.layers == [2, 30, 58]
-    assert (r.train.lr, r.train.scheduler, r.train.epochs) == (3e-5, "cosine", 10)
+    # lr: the known run's 3e-5 at ~500 tokens per step, square-root scaled to the recipe's
+    known_lr = 3e-5 * math.sqrt(r.train.tokens_per_step / 500)
+    assert abs(r.train.lr - known_lr) / known_lr < 0.02
+    assert (r.train.scheduler, r.train.epochs) == ("cosine", 10)
     assert (r.train.ttt_steps, r.train.noise_std) == (3, 0.05)
     assert r.serve.tensor_parallel_size == 8
+    # thinking explicit, and what the server parses it with
+    assert t.chat_template_kwargs == {"thinking": True}
+    assert (r.serve.reasoning_parser, r.serve.tool_call_parser) == ("kimi_k2", "kimi_k2")
+    assert r.regen.max_tokens > 4096 and r.serve.max_model_len >= (
+        r.prep.max_len_tokens // 2 + r.regen.max_tokens
+    )
+    # the mix: ten datasets by weight over chat, instruction, code, math and tool-use presets
+    presets = {d.preset: d.weight for d in r.datasets}
+    assert len(presets) == 10 and abs(sum(presets.values()) - 1) < 1e-9
+    assert {"gsm8k", "math", "codealpaca", "opencodeinstruct", "glaive-toolcall"} <= set(presets)
+    assert r.prep.max_samples == 83288 and all(d.max_samples is None for d in r.datasets)
     assert r.run_id().startswith("kimi-k2_5-")  # the dot is not allowed in rq job ids
 
 
