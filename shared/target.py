@@ -149,7 +149,7 @@ def normalize_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     defaults = LlamaConfig()
     out = copy.deepcopy(cfg)
     out.pop("rope_scaling", None)
-    heads = int(cfg["num_attention_heads"])
+    heads = int(cfg.get("num_attention_heads") or hf.num_attention_heads)
     out["rope_parameters"] = rope
     out["rope_theta"] = rope["rope_theta"]
     out["head_dim"] = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)

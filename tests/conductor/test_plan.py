@@ -26,13 +26,14 @@ from shared import sizing
 from shared.errors import ArtifactError
 from shared.model import local_snapshot, model_path, pull, weights_problems
 from shared.recipe import resolve_recipe
-from shared.target import target_config
+from shared.target import normalize_config, target_config
 from shared.vllm import speculative_config, vllm_args
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI_RECIPE = ROOT / "recipes" / "kimi-k2.5.yaml"
 KIMI_CONFIG = ROOT / "tests" / "fixtures" / "kimi-k2.5" / "config.json"
-SHA = "0123456789abcdef0123456789abcdef01234567"
+#: The snapshot sha: the Kimi recipe's pinned revision, so the cache resolves it.
+SHA = yaml.safe_load(KIMI_RECIPE.read_text())["target"]["revision"]
 
 KNOWN_WEIGHTS_BYTES = 547e9
 KNOWN_LOAD_S = 22.5 * 60
@@ -124,7 +125,7 @@ def test_kimi_plan_matches_the_known_run_within_2x(hf_cache, tmp_path, monkeypat
     cached_snapshot(hf_cache, "moonshotai/Kimi-K2.5", {"config.json": KIMI_CONFIG})
     recipe = resolve_recipe(KIMI_RECIPE)
     plan = make_plan(recipe, "recipes/kimi-k2.5.yaml")
-    raw = json.loads(KIMI_CONFIG.read_text())["text_config"]
+    raw = normalize_config(json.loads(KIMI_CONFIG.read_text()), str(KIMI_CONFIG))
 
     assert plan.hs_bytes_per_token == 4 * 7168 * 2 == 57_344  # 56 KiB
     assert plan.weight_source == "config estimate"
