@@ -80,6 +80,7 @@ from shared.records import (
 )
 from shared.store import (
     Manifest,
+    append_text,
     atomic_path,
     atomic_write_bytes,
     atomic_write_json,
@@ -744,8 +745,9 @@ class RunStore:
         atomic_write_bytes(store.recipe_yaml, recipe_to_yaml(recipe).encode())
         atomic_write_bytes(store.recipe_json, recipe.canonical_json().encode())
         if command:
-            with open(store.root / "commands.log", "a") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {command}\n")
+            append_text(
+                store.root / "commands.log", f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {command}\n"
+            )
         return store
 
     @property

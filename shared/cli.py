@@ -94,6 +94,10 @@ def describe_input_error(err: OSError | UnicodeError, recipe: Recipe | None = No
     if err.filename is None:
         if err.errno is None:  # raised by a library with a message only
             return f"{type(err).__name__}: {err}"
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            from shared.store import data_root
+
+            return f"{what} (file not named; stdout, or under EYRIE_DATA={data_root()}?)"
         return f"{what} ({type(err).__name__}, errno {err.errno})"
     name = os.fsdecode(err.filename)
     field = recipe_field_of(recipe, name)

@@ -565,3 +565,50 @@ def test_bad_recipe_in_a_real_process_has_no_traceback(world):
         f"eyrie: {p}: not UTF-8 text (line 1, byte 9: invalid continuation byte); save the "
         "recipe as UTF-8\n"
     )
+
+
+def _can_mount_tmpfs() -> bool:
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /mnt"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+def test_full_data_volume_names_the_artifact(world, tmp_path):
+    """A real full disk: EYRIE_DATA on a 12 KiB tmpfs (in a user namespace, no root needed)."""
+    if not _can_mount_tmpfs():
+        pytest.skip("unshare -rm cannot mount a tmpfs here (user namespaces disabled)")
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    recipe = world.recipe_file()
+    script = (
+        f"mount -t tmpfs -o size=12k tmpfs {vol} && EYRIE_DATA={vol} "
+        f"{sys.executable} -m services.conductor.cli stage plan {recipe}"
+    )
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"eyrie: EYRIE_DATA: {vol}/runs/")
+    assert out.stderr.endswith(
+        ": no space left on the device; free space or point EYRIE_DATA at a bigger disk\n"
+    )
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_dataset_gone_after_planning_names_its_field(world, capsys):
+    """A dataset file deleted between `plan` and `prep`: the prep read fails, by field."""
+    data = world.data_file("chat.jsonl", b"\n".join(_rows(4)) + b"\n")
+    recipe = world.recipe_file(datasets=[{"path": str(data)}])
+    assert main(["stage", "plan", str(recipe)]) == 0
+    capsys.readouterr()
+    data.unlink()
+    assert main(["stage", "prep", str(recipe), "--shard", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"eyrie: datasets[0].path: {data}: no such file or folder\n"
