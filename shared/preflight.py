@@ -122,12 +122,35 @@ def check_dataset_path(path: str, field: str) -> None:
         return
     if p.is_dir():
         raise ConfigError(f"{field}: {path} is a folder, not a data file")
+    if not p.is_file():  # a FIFO or a device: indexing would block or never end
+        raise ConfigError(f"{field}: {path} is not a regular file")
     if p.suffix not in DATA_SUFFIXES:
         raise ConfigError(
             f"{field}: {path}: unsupported file type {p.suffix!r}; use {', '.join(DATA_SUFFIXES)}"
         )
     if not os.access(p, os.R_OK):
         raise ConfigError(f"{field}: {path} is not readable (permission denied)")
+    if p.suffix in (".json", ".jsonl"):
+        with open(p, "rb") as f:
+            head = f.read(8)
+        for magic, what in _NOT_UTF8_TEXT:
+            if head.startswith(magic):
+                raise ConfigError(
+                    f"{field}: {path} is {what}; prep reads UTF-8 JSON and JSONL text"
+                )
+
+
+#: Leading bytes of files that are not UTF-8 text, and what to do about them. UTF-32's BOMs
+#: start like UTF-16's, so the UTF-16 hint covers both (iconv names either).
+_NOT_UTF8_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed (decompress it: gunzip)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed (decompress it: zstd -d)"),
+    (b"BZh", "bzip2-compressed (decompress it: bunzip2)"),
+    (b"\xfd7zXZ\x00", "xz-compressed (decompress it: unxz)"),
+    (b"PK\x03\x04", "a zip archive (unzip it)"),
+    (b"\xff\xfe", "UTF-16/32 text with a byte-order mark (convert it: iconv -t UTF-8)"),
+    (b"\xfe\xff", "UTF-16/32 text with a byte-order mark (convert it: iconv -t UTF-8)"),
+)
 
 
 def _check_hub_id(repo_id: str, field: str) -> None:

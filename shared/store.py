@@ -130,6 +130,19 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
         shutil.rmtree(holder, ignore_errors=True)
 
 
+def read_json_file(path: Path) -> Any:
+    """A JSON artifact Eyrie wrote (a manifest, a run's recipe.json), parsed.
+
+    Raises:
+        ArtifactError: it is not UTF-8 JSON (damaged on disk, or not Eyrie's); the
+            message names the file.
+    """
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{path}: damaged, not UTF-8 JSON ({e})") from None
+
+
 def append_text(path: Path | str, text: str) -> None:
     """Append `text` to the log file `path` (not atomic: for append-only logs).
 

@@ -306,6 +306,31 @@ def bad_dataset_csv(w: World):
 
 
 @case
+def bad_dataset_utf16(w: World):
+    text = "\n".join(r.decode() for r in _rows(2))
+    p = w.data_file("chat16.jsonl", text.encode("utf-16"))  # Python writes a BOM first
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"datasets[0].path: {p} is UTF-16/32 text with a byte-order mark"
+
+
+@case
+def bad_dataset_gzip(w: World):
+    import gzip
+
+    p = w.data_file("chat.jsonl", gzip.compress(b"\n".join(_rows(2))))
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"datasets[0].path: {p} is gzip-compressed"
+
+
+@case
+def bad_dataset_fifo(w: World):
+    p = w.tmp / "pipe.jsonl"
+    os.mkfifo(p)  # reading it would block the plan forever
+    argv = ["run", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"datasets[0].path: {p} is not a regular file"
+
+
+@case
 def bad_run_missing_target(w: World):
     # refused before `run` connects to Redis (which is unreachable here)
     return ["run", str(w.recipe_file()), "-o", "target.path=/no/model"], "target.path: model"
@@ -612,3 +637,19 @@ def test_dataset_gone_after_planning_names_its_field(world, capsys):
     assert main(["stage", "prep", str(recipe), "--shard", "0"]) == 2
     out, err = capsys.readouterr()
     assert err == f"eyrie: datasets[0].path: {data}: no such file or folder\n"
+
+
+def test_damaged_run_record_is_named(world, capsys):
+    """Not an input error (exit 1), but still one line naming the damaged file."""
+    recipe = world.recipe_file()
+    assert main(["stage", "plan", str(recipe)]) == 0
+    from shared.artifacts import RunStore
+    from shared.recipe import resolve_recipe
+
+    store = RunStore(resolve_recipe(recipe).run_id())
+    store.recipe_json.write_bytes(b'{"name": "\xff"}')
+    capsys.readouterr()
+    assert main(["status", store.run_id]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"eyrie: {store.recipe_json}: damaged, not UTF-8 JSON")
+    assert err.count("\n") == 1
