@@ -38,13 +38,21 @@ def check_recipe_inputs(recipe: Recipe) -> list[str]:
     Raises:
         ConfigError: the first problem found; the message starts with the recipe field.
     """
+    hub_datasets = []
     for i, spec in enumerate(recipe.datasets):
         if spec.path is not None:
             check_dataset_path(spec.path, f"datasets[{i}].path")
+            if not Path(spec.path).exists():
+                hub_datasets.append(
+                    f"datasets[{i}].path: no local file {spec.path!r}, so it is taken for a "
+                    "hub dataset id, loaded by the plan stage (a local path starts with / or "
+                    "./, or ends in a data-file suffix)"
+                )
     tok = recipe.target.tokenizer
     if tok and looks_local(tok) and not Path(tok).is_dir():
         raise ConfigError(f"target.tokenizer: tokenizer folder {tok} does not exist")
     cfg, notes = _target_config(recipe)
+    notes = hub_datasets + notes
     layers = cfg.get("num_hidden_layers") if cfg else recipe.target.num_hidden_layers
     if layers is not None:
         if not isinstance(layers, int) or layers <= 0:

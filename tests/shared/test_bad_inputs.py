@@ -144,6 +144,7 @@ OVERRIDES: list[tuple[str, list[str], str]] = [
     ("train-seed-negative", ["train.seed=-5"], "train.seed: must be greater than or equal to 0"),
     ("hub-id-malformed", ["datasets.0.path=a b c"], "datasets[0].path: 'a b c' is neither"),
     ("dataset-gz", ["datasets.0.path=/no/such/chat.json.gz"], "datasets[0].path: /no/such"),
+    ("name-not-unicode", ["name=a\udcff"], "name: must be a valid string"),  # argv byte 0xff
 ]
 
 
@@ -653,3 +654,10 @@ def test_damaged_run_record_is_named(world, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"eyrie: {store.recipe_json}: damaged, not UTF-8 JSON")
     assert err.count("\n") == 1
+
+
+def test_hub_looking_dataset_gets_a_note_not_an_error(world, capsys):
+    """`mydata` names no local file and no suffix: a hub id, and check says so."""
+    assert main(["recipe", "check", str(world.recipe_file()), "-o", "datasets.0.path=mydata"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("eyrie: note: datasets[0].path: no local file 'mydata', so it is taken")
