@@ -5,12 +5,15 @@ minutes later.
 
 `shared.recipe` validates a recipe's shape without touching the disk; this module checks
 what the recipe points at:
-- every local-looking dataset path exists, is a readable file of a type prep reads;
+- every local-looking dataset path exists and is a readable regular file of a type prep
+  reads, not compressed and not UTF-16 (its first bytes tell); any other value must be a
+  well-formed hub id;
 - the target's config resolves (a local folder with a readable `config.json`, or a hub id
   whose config is in the local hub cache) and matches the recipe's expected sizes;
 - the aux layer ids are valid for that target (in range, distinct);
-- `draft.draft_vocab_size` fits in the target's vocab;
-- a local-looking `target.tokenizer` exists.
+- `draft.draft_vocab_size` fits in the target's vocab, `draft.hidden_size` is the target's;
+- a local tokenizer folder (`target.tokenizer`, else `target.path`) has a tokenizer and a
+  chat template.
 
 A hub target whose config is not cached cannot be checked offline: the layer ids are then
 checked against the recipe's `target.num_hidden_layers` when given, and a note says the rest
