@@ -137,6 +137,7 @@ OVERRIDES: list[tuple[str, list[str], str]] = [
     ("dataset-missing-abs", ["datasets.0.path=/no/such/chat.json"], "datasets[0].path: /no/such"),
     ("dataset-missing-rel", ["datasets.0.path=data/chat.jsonl"], "datasets[0].path: data/chat"),
     ("target-missing", ["target.path=/no/such/model"], "target.path: model folder /no/such"),
+    ("target-hub-id-malformed", ["target.path=org/a b"], "target.path: 'org/a b' is neither"),
     ("tokenizer-missing", ["target.tokenizer=./no-tokenizer"], "target.tokenizer: tokenizer"),
     ("draft-vocab-too-big", ["draft.draft_vocab_size=10000000"], "draft.draft_vocab_size"),
     ("draft-hidden-size", ["draft.hidden_size=128"], "draft.hidden_size: EAGLE-3 drafts use"),
@@ -291,6 +292,13 @@ def bad_tokenizer_without_chat_template(w: World):
     (t / "tokenizer.json").write_bytes((w.model / "tokenizer.json").read_bytes())
     argv = ["recipe", "check", str(w.recipe_file()), "-o", f"target.tokenizer={t}"]
     return argv, f"target.tokenizer: {t} has no chat template"
+
+
+@case
+def bad_target_is_a_file(w: World):
+    cfg = w.model / "config.json"
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"target.path={cfg}"]
+    return argv, f"target.path: {cfg} is a file; give the model's folder"
 
 
 @case
