@@ -356,6 +356,18 @@ def bad_run_lr_inf(w: World):
 
 
 @case
+def bad_run_stop_after_typo(w: World):
+    # before: never matched, so the run went on through every stage
+    return ["run", str(w.recipe_file()), "--stop-after", "tokenise"], "--stop-after 'tokenise'"
+
+
+@case
+def bad_run_stop_after_skipped_stage(w: World):
+    argv = ["run", str(w.recipe_file()), "--stop-after", "regen", "-o", "regen.enabled=false"]
+    return argv, "--stop-after 'regen': not a stage of this run"
+
+
+@case
 def bad_stage_truncated_json(w: World):
     rows = _rows(5)
     p = w.data_file("cut.json", b"[" + b",".join(rows) + b"," + rows[0][:25])
@@ -472,6 +484,25 @@ def test_bad_input(world, capsys, monkeypatch, name):
     _assert_clean_exit_2(argv, expected, capsys)
     if "_MARKER" in world.env:
         assert not Path(world.env["_MARKER"]).exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "r.yaml", "--poll-s", "nan"],
+        ["run", "r.yaml", "--poll-s", "0"],
+        ["reconcile", "--stale-after-s", "-5"],
+        ["reconcile", "--stale-after-s", "inf"],
+    ],
+    ids=["poll-nan", "poll-zero", "stale-negative", "stale-inf"],
+)
+def test_bad_seconds_refused_by_argparse(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f"argument {argv[-2]}: must be a finite number of seconds > 0 (got {argv[-1]})" in err
+    assert "Traceback" not in err
 
 
 def test_table_has_at_least_40_bad_inputs():
