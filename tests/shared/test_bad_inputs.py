@@ -368,6 +368,12 @@ def bad_run_stop_after_skipped_stage(w: World):
 
 
 @case
+def bad_demo_layers(w: World):
+    # refused before the demo starts Redis, workers or servers
+    return ["demo", "--quick", "-o", "layers=[2, 15, 31]"], "layers: ids [31] out of range"
+
+
+@case
 def bad_stage_truncated_json(w: World):
     rows = _rows(5)
     p = w.data_file("cut.json", b"[" + b",".join(rows) + b"," + rows[0][:25])
