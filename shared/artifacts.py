@@ -80,11 +80,13 @@ from shared.records import (
 )
 from shared.store import (
     Manifest,
+    append_text,
     atomic_path,
     atomic_write_bytes,
     atomic_write_json,
     data_root,
     make_dirs,
+    read_json_file,
     sha256_tree,
 )
 
@@ -747,8 +749,9 @@ class RunStore:
         atomic_write_bytes(store.recipe_yaml, recipe_to_yaml(recipe).encode())
         atomic_write_bytes(store.recipe_json, recipe.canonical_json().encode())
         if command:
-            with open(store.root / "commands.log", "a") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {command}\n")
+            append_text(
+                store.root / "commands.log", f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {command}\n"
+            )
         return store
 
     @property
@@ -779,7 +782,7 @@ class RunStore:
         """
         if not self.recipe_json.is_file():
             raise ArtifactError(f"{self.recipe_json}: run {self.run_id!r} does not exist")
-        recipe = resolve_recipe(json.loads(self.recipe_json.read_text()))
+        recipe = resolve_recipe(read_json_file(self.recipe_json))
         if recipe.run_id() != self.run_id:
             raise ArtifactError(
                 f"{self.recipe_json}: recipe hashes to run {recipe.run_id()!r}, not {self.run_id!r}"
@@ -832,12 +835,12 @@ class RunStore:
         path = self.manifest_path(stage, shard)
         if not path.is_file():
             raise ArtifactError(f"{path}: stage {stage!r} shard {shard} has not finished")
-        return Manifest(**json.loads(path.read_text()))
+        return Manifest(**read_json_file(path))
 
     def manifests(self, stage: str) -> list[Manifest]:
         """All manifests of a stage, by shard."""
         d = self.stage_dir(stage)
-        return [Manifest(**json.loads(p.read_text())) for p in sorted(d.glob("manifest-*.json"))]
+        return [Manifest(**read_json_file(p)) for p in sorted(d.glob("manifest-*.json"))]
 
 
 def list_runs(root: Path | None = None) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,21 @@ _ERRNO_HINTS = {
     errno.ENOTDIR: "a part of the path is not a folder",
     errno.EMFILE: "too many open files (raise `ulimit -n`)",
 }
+
+
+def positive_seconds(text: str) -> float:
+    """The argparse type of a finite number of seconds > 0 (nan, inf, 0, negatives refused).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else; argparse prints it and exits 2.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
+    return value
 
 
 def add_override_arg(p: argparse.ArgumentParser, example: str = "train.lr=1e-4") -> None:
@@ -94,6 +110,10 @@ def describe_input_error(err: OSError | UnicodeError, recipe: Recipe | None = No
     if err.filename is None:
         if err.errno is None:  # raised by a library with a message only
             return f"{type(err).__name__}: {err}"
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            from shared.store import data_root
+
+            return f"{what} (file not named; stdout, or under EYRIE_DATA={data_root()}?)"
         return f"{what} ({type(err).__name__}, errno {err.errno})"
     name = os.fsdecode(err.filename)
     field = recipe_field_of(recipe, name)

@@ -5,12 +5,15 @@ minutes later.
 
 `shared.recipe` validates a recipe's shape without touching the disk; this module checks
 what the recipe points at:
-- every local-looking dataset path exists, is a readable file of a type prep reads;
+- every local-looking dataset path exists and is a readable regular file of a type prep
+  reads, not compressed and not UTF-16 (its first bytes tell); any other value must be a
+  well-formed hub id;
 - the target's config resolves (a local folder with a readable `config.json`, or a hub id
   whose config is in the local hub cache) and matches the recipe's expected sizes;
 - the aux layer ids are valid for that target (in range, distinct);
-- `draft.draft_vocab_size` fits in the target's vocab;
-- a local-looking `target.tokenizer` exists.
+- `draft.draft_vocab_size` fits in the target's vocab, `draft.hidden_size` is the target's;
+- a local tokenizer folder (`target.tokenizer`, else `target.path`) has a tokenizer and a
+  chat template.
 
 A hub target whose config is not cached cannot be checked offline: the layer ids are then
 checked against the recipe's `target.num_hidden_layers` when given, and a note says the rest
@@ -38,13 +41,21 @@ def check_recipe_inputs(recipe: Recipe) -> list[str]:
     Raises:
         ConfigError: the first problem found; the message starts with the recipe field.
     """
+    hub_datasets = []
     for i, spec in enumerate(recipe.datasets):
         if spec.path is not None:
             check_dataset_path(spec.path, f"datasets[{i}].path")
+            if not Path(spec.path).exists():
+                hub_datasets.append(
+                    f"datasets[{i}].path: no local file {spec.path!r}, so it is taken for a "
+                    "hub dataset id, loaded by the plan stage (a local path starts with / or "
+                    "./, or ends in a data-file suffix)"
+                )
     tok = recipe.target.tokenizer
     if tok and looks_local(tok) and not Path(tok).is_dir():
         raise ConfigError(f"target.tokenizer: tokenizer folder {tok} does not exist")
     cfg, notes = _target_config(recipe)
+    notes = hub_datasets + notes
     layers = cfg.get("num_hidden_layers") if cfg else recipe.target.num_hidden_layers
     if layers is not None:
         if not isinstance(layers, int) or layers <= 0:
@@ -122,12 +133,35 @@ def check_dataset_path(path: str, field: str) -> None:
         return
     if p.is_dir():
         raise ConfigError(f"{field}: {path} is a folder, not a data file")
+    if not p.is_file():  # a FIFO or a device: indexing would block or never end
+        raise ConfigError(f"{field}: {path} is not a regular file")
     if p.suffix not in DATA_SUFFIXES:
         raise ConfigError(
             f"{field}: {path}: unsupported file type {p.suffix!r}; use {', '.join(DATA_SUFFIXES)}"
         )
     if not os.access(p, os.R_OK):
         raise ConfigError(f"{field}: {path} is not readable (permission denied)")
+    if p.suffix in (".json", ".jsonl"):
+        with open(p, "rb") as f:
+            head = f.read(8)
+        for magic, what in _NOT_UTF8_TEXT:
+            if head.startswith(magic):
+                raise ConfigError(
+                    f"{field}: {path} is {what}; prep reads UTF-8 JSON and JSONL text"
+                )
+
+
+#: Leading bytes of files that are not UTF-8 text, and what to do about them. UTF-32's BOMs
+#: start like UTF-16's, so the UTF-16 hint covers both (iconv names either).
+_NOT_UTF8_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed (decompress it: gunzip)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed (decompress it: zstd -d)"),
+    (b"BZh", "bzip2-compressed (decompress it: bunzip2)"),
+    (b"\xfd7zXZ\x00", "xz-compressed (decompress it: unxz)"),
+    (b"PK\x03\x04", "a zip archive (unzip it)"),
+    (b"\xff\xfe", "UTF-16/32 text with a byte-order mark (convert it: iconv -t UTF-8)"),
+    (b"\xfe\xff", "UTF-16/32 text with a byte-order mark (convert it: iconv -t UTF-8)"),
+)
 
 
 def _check_hub_id(repo_id: str, field: str) -> None:

@@ -95,17 +95,26 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
 
     Raises:
         ArtifactError: the caller created nothing at the yielded path.
+        OSError: the write failed (disk full, ...); one raised without a file name (a
+            failed `write()` has none) is re-raised naming `final`, so the CLI can say
+            which artifact could not be written.
     """
     final = Path(final)
     make_dirs(final.parent)
     holder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
     tmp = holder / final.name
     try:
-        yield tmp
-        if tmp.is_file():
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        elif not tmp.exists():
+        try:
+            yield tmp
+            if tmp.is_file():
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            named = e.filename is not None and str(holder) not in os.fsdecode(e.filename)
+            if named or e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror, str(final)) from e
+        if not tmp.exists():
             raise ArtifactError(f"{final}: the writer created nothing at {tmp}")
         share_modes(tmp)
         if final.is_dir() and tmp.is_dir():
@@ -119,6 +128,35 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
         _fsync_dir(final.parent)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON artifact Eyrie wrote (a manifest, a run's recipe.json), parsed.
+
+    Raises:
+        ArtifactError: it is not UTF-8 JSON (damaged on disk, or not Eyrie's); the
+            message names the file.
+    """
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{path}: damaged, not UTF-8 JSON ({e})") from None
+
+
+def append_text(path: Path | str, text: str) -> None:
+    """Append `text` to the log file `path` (not atomic: for append-only logs).
+
+    Raises:
+        OSError: naming `path` even when the failing `write()` or `close()` (disk full)
+            raised without a file name.
+    """
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def atomic_write_bytes(final: Path | str, data: bytes) -> Path:

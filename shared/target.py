@@ -59,7 +59,9 @@ def raw_target_config(recipe: Recipe) -> dict[str, Any]:
         if not cfg_file.is_file():
             raise ConfigError(f"target.path: {path} has no config.json (not an HF model folder)")
         return read_config_file(cfg_file)
-    if looks_local(t.path) or path.exists():
+    if path.exists():
+        raise ConfigError(f"target.path: {t.path} is a file; give the model's folder")
+    if looks_local(t.path):
         raise ConfigError(
             f"target.path: model folder {t.path} does not exist "
             "(for the CPU demo, scripts/setup converts SmolLM2 into $EYRIE_CACHE/models)"

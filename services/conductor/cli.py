@@ -27,6 +27,7 @@ from shared.cli import (
     add_recipe_args,
     describe_input_error,
     input_error_exit_code,
+    positive_seconds,
 )
 from shared.errors import ConfigError, EyrieError, InputError
 
@@ -62,6 +63,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shared.queue import connect
 
     recipe = _load(args, check_inputs=True)
+    if args.stop_after is not None:
+        from shared.stage import pipeline
+
+        names = [s.name for s in pipeline(recipe)]
+        if args.stop_after not in names:
+            # an unknown name would never match, and the whole run would go on to the end
+            raise ConfigError(
+                f"--stop-after {args.stop_after!r}: not a stage of this run "
+                f"(its stages: {', '.join(names)})"
+            )
     refuse_unless_fits(recipe, args.recipe)
     conn = connect()
     store = RunStore.create(recipe, command=" ".join(sys.argv))
@@ -161,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="plan a run and drive it to completion through rq")
     add_recipe_args(run)
     run.add_argument("--stop-after", metavar="STAGE", help="stop after this stage")
-    run.add_argument("--poll-s", type=float, default=1.0, help="manifest poll interval")
+    run.add_argument(
+        "--poll-s", type=positive_seconds, default=1.0, help="manifest poll interval in seconds"
+    )
     run.set_defaults(func=cmd_run)
 
     st = sub.add_parser("status", help="per-stage progress of a run (or list runs)")
@@ -197,7 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     rc = sub.add_parser("reconcile", help="re-enqueue jobs abandoned by dead workers")
     rc.add_argument(
-        "--stale-after-s", type=float, default=90.0, help="worker heartbeat age that counts as dead"
+        "--stale-after-s",
+        type=positive_seconds,
+        default=90.0,
+        help="worker heartbeat age in seconds that counts as dead",
     )
     rc.set_defaults(func=cmd_reconcile)
 

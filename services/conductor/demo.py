@@ -138,11 +138,14 @@ def print_final_table(store: RunStore) -> dict:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when the report was written."""
     from services.conductor.driver import DriveOptions, drive
+    from shared.preflight import check_recipe_inputs
     from shared.queue import connect
     from shared.recipe import resolve_recipe
 
     overrides = (QUICK_OVERRIDES if args.quick else []) + list(args.override)
     recipe = resolve_recipe(args.recipe, overrides)
+    for note in check_recipe_inputs(recipe):  # like `eyrie run`: refuse bad inputs up front
+        print(f"eyrie: note: {note}", file=sys.stderr)
     store = RunStore.create(recipe, command=" ".join(sys.argv))
     log_dir = make_dirs(store.logs_dir)
     t0 = time.monotonic()

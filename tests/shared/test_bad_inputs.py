@@ -137,6 +137,7 @@ OVERRIDES: list[tuple[str, list[str], str]] = [
     ("dataset-missing-abs", ["datasets.0.path=/no/such/chat.json"], "datasets[0].path: /no/such"),
     ("dataset-missing-rel", ["datasets.0.path=data/chat.jsonl"], "datasets[0].path: data/chat"),
     ("target-missing", ["target.path=/no/such/model"], "target.path: model folder /no/such"),
+    ("target-hub-id-malformed", ["target.path=org/a b"], "target.path: 'org/a b' is neither"),
     ("tokenizer-missing", ["target.tokenizer=./no-tokenizer"], "target.tokenizer: tokenizer"),
     ("draft-vocab-too-big", ["draft.draft_vocab_size=10000000"], "draft.draft_vocab_size"),
     ("draft-hidden-size", ["draft.hidden_size=128"], "draft.hidden_size: EAGLE-3 drafts use"),
@@ -144,6 +145,7 @@ OVERRIDES: list[tuple[str, list[str], str]] = [
     ("train-seed-negative", ["train.seed=-5"], "train.seed: must be greater than or equal to 0"),
     ("hub-id-malformed", ["datasets.0.path=a b c"], "datasets[0].path: 'a b c' is neither"),
     ("dataset-gz", ["datasets.0.path=/no/such/chat.json.gz"], "datasets[0].path: /no/such"),
+    ("name-not-unicode", ["name=a\udcff"], "name: must be a valid string"),  # argv byte 0xff
 ]
 
 
@@ -293,6 +295,13 @@ def bad_tokenizer_without_chat_template(w: World):
 
 
 @case
+def bad_target_is_a_file(w: World):
+    cfg = w.model / "config.json"
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"target.path={cfg}"]
+    return argv, f"target.path: {cfg} is a file; give the model's folder"
+
+
+@case
 def bad_dataset_is_folder(w: World):
     argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={w.tmp}"]
     return argv, f"datasets[0].path: {w.tmp} is a folder, not a data file"
@@ -303,6 +312,31 @@ def bad_dataset_csv(w: World):
     p = w.data_file("chat.csv", b"a,b\n")
     argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
     return argv, f"datasets[0].path: {p}: unsupported file type '.csv'"
+
+
+@case
+def bad_dataset_utf16(w: World):
+    text = "\n".join(r.decode() for r in _rows(2))
+    p = w.data_file("chat16.jsonl", text.encode("utf-16"))  # Python writes a BOM first
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"datasets[0].path: {p} is UTF-16/32 text with a byte-order mark"
+
+
+@case
+def bad_dataset_gzip(w: World):
+    import gzip
+
+    p = w.data_file("chat.jsonl", gzip.compress(b"\n".join(_rows(2))))
+    argv = ["recipe", "check", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"datasets[0].path: {p} is gzip-compressed"
+
+
+@case
+def bad_dataset_fifo(w: World):
+    p = w.tmp / "pipe.jsonl"
+    os.mkfifo(p)  # reading it would block the plan forever
+    argv = ["run", str(w.recipe_file()), "-o", f"datasets.0.path={p}"]
+    return argv, f"datasets[0].path: {p} is not a regular file"
 
 
 @case
@@ -319,6 +353,24 @@ def bad_run_layers(w: World):
 @case
 def bad_run_lr_inf(w: World):
     return ["run", str(w.recipe_file()), "-o", "train.lr=.inf"], "train.lr: must be a finite"
+
+
+@case
+def bad_run_stop_after_typo(w: World):
+    # before: never matched, so the run went on through every stage
+    return ["run", str(w.recipe_file()), "--stop-after", "tokenise"], "--stop-after 'tokenise'"
+
+
+@case
+def bad_run_stop_after_skipped_stage(w: World):
+    argv = ["run", str(w.recipe_file()), "--stop-after", "regen", "-o", "regen.enabled=false"]
+    return argv, "--stop-after 'regen': not a stage of this run"
+
+
+@case
+def bad_demo_layers(w: World):
+    # refused before the demo starts Redis, workers or servers
+    return ["demo", "--quick", "-o", "layers=[2, 15, 31]"], "layers: ids [31] out of range"
 
 
 @case
@@ -440,6 +492,25 @@ def test_bad_input(world, capsys, monkeypatch, name):
         assert not Path(world.env["_MARKER"]).exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "r.yaml", "--poll-s", "nan"],
+        ["run", "r.yaml", "--poll-s", "0"],
+        ["reconcile", "--stale-after-s", "-5"],
+        ["reconcile", "--stale-after-s", "inf"],
+    ],
+    ids=["poll-nan", "poll-zero", "stale-negative", "stale-inf"],
+)
+def test_bad_seconds_refused_by_argparse(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f"argument {argv[-2]}: must be a finite number of seconds > 0 (got {argv[-1]})" in err
+    assert "Traceback" not in err
+
+
 def test_table_has_at_least_40_bad_inputs():
     assert len(OVERRIDES) + len(CASES) >= 40
 
@@ -537,16 +608,20 @@ def test_stdout_closed_by_its_reader(world):
 
 
 def test_pipe_to_head_prints_the_first_line(world):
+    """`eyrie recipe check r.yaml | head -1` with ~1 MB of output: far more than a pipe
+    buffer holds, so `head` exits while eyrie is still writing."""
+    recipe = world.recipe_file(description="x" * 1_000_000)
+    cmd = f"set -o pipefail; {sys.executable} -m services.conductor.cli recipe check {recipe}"
     out = subprocess.run(
-        f"{sys.executable} -m services.conductor.cli recipe check {world.recipe_file()} | head -1",
-        shell=True,
+        ["bash", "-c", cmd + " | head -1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.stdout.startswith("# run id: ") and out.stdout.count("\n") == 1
-    assert "Traceback" not in out.stderr
+    assert out.stderr == "eyrie: output cut short: stdout was closed by its reader\n"
+    assert out.returncode == 141  # eyrie's status, through pipefail
 
 
 def test_full_disk_is_one_line(world):
@@ -565,3 +640,73 @@ def test_bad_recipe_in_a_real_process_has_no_traceback(world):
         f"eyrie: {p}: not UTF-8 text (line 1, byte 9: invalid continuation byte); save the "
         "recipe as UTF-8\n"
     )
+
+
+def _can_mount_tmpfs() -> bool:
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /mnt"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+def test_full_data_volume_names_the_artifact(world, tmp_path):
+    """A real full disk: EYRIE_DATA on a 12 KiB tmpfs (in a user namespace, no root needed)."""
+    if not _can_mount_tmpfs():
+        pytest.skip("unshare -rm cannot mount a tmpfs here (user namespaces disabled)")
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    recipe = world.recipe_file()
+    script = (
+        f"mount -t tmpfs -o size=12k tmpfs {vol} && EYRIE_DATA={vol} "
+        f"{sys.executable} -m services.conductor.cli stage plan {recipe}"
+    )
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"eyrie: EYRIE_DATA: {vol}/runs/")
+    assert out.stderr.endswith(
+        ": no space left on the device; free space or point EYRIE_DATA at a bigger disk\n"
+    )
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_dataset_gone_after_planning_names_its_field(world, capsys):
+    """A dataset file deleted between `plan` and `prep`: the prep read fails, by field."""
+    data = world.data_file("chat.jsonl", b"\n".join(_rows(4)) + b"\n")
+    recipe = world.recipe_file(datasets=[{"path": str(data)}])
+    assert main(["stage", "plan", str(recipe)]) == 0
+    capsys.readouterr()
+    data.unlink()
+    assert main(["stage", "prep", str(recipe), "--shard", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"eyrie: datasets[0].path: {data}: no such file or folder\n"
+
+
+def test_damaged_run_record_is_named(world, capsys):
+    """Not an input error (exit 1), but still one line naming the damaged file."""
+    recipe = world.recipe_file()
+    assert main(["stage", "plan", str(recipe)]) == 0
+    from shared.artifacts import RunStore
+    from shared.recipe import resolve_recipe
+
+    store = RunStore(resolve_recipe(recipe).run_id())
+    store.recipe_json.write_bytes(b'{"name": "\xff"}')
+    capsys.readouterr()
+    assert main(["status", store.run_id]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"eyrie: {store.recipe_json}: damaged, not UTF-8 JSON")
+    assert err.count("\n") == 1
+
+
+def test_hub_looking_dataset_gets_a_note_not_an_error(world, capsys):
+    """`mydata` names no local file and no suffix: a hub id, and check says so."""
+    assert main(["recipe", "check", str(world.recipe_file()), "-o", "datasets.0.path=mydata"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("eyrie: note: datasets[0].path: no local file 'mydata', so it is taken")
