@@ -12,12 +12,15 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
 import os
 import re
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +35,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry, SimpleWorker, Worker
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.job import Job, JobStatus
+from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
 from shared.errors import ConfigError, ServiceUnavailableError
@@ -483,14 +488,98 @@ def _requeue_interrupted(job: Job, queue: Queue) -> None:
         queue.enqueue_job(job)
 
 
-class EyrieWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, Worker):
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Have this (forked) process get `sig` when its parent process dies.
+
+    On Linux the kernel does it (`prctl(PR_SET_PDEATHSIG)`); elsewhere a daemon thread polls
+    the parent pid every second. A parent that died before this call is caught by comparing
+    `os.getppid()` with `parent_pid`.
+    """
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    if os.getppid() != parent_pid:  # the parent died before the kernel was told to watch
+        os.kill(os.getpid(), sig)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class ParentBoundScheduler(RQScheduler):
+    """rq's scheduler process, stopped (locks released) when the worker that forked it dies.
+
+    rq forks the scheduler from the worker and never tells it when the worker dies: after a
+    `kill -9` of the worker it lives on with parent 1, renewing the scheduler lock, so no
+    live worker can take over the scheduling of retries. Here the child asks for SIGTERM on
+    its parent's death; rq's handler then stops it, releasing its locks.
+    """
+
+    def start(self) -> Any:
+        self._parent_pid = os.getpid()
+        return super().start()
+
+    def work(self) -> None:
+        die_with_parent(self._parent_pid)
+        super().work()
+
+
+class ParentBoundSchedulerMixin:
+    """Starts `ParentBoundScheduler` where rq's worker would start its own `RQScheduler`."""
+
+    def _start_scheduler(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = DEFAULT_LOGGING_DATE_FORMAT,
+        log_format: str = DEFAULT_LOGGING_FORMAT,
+    ) -> None:
+        # rq 3.0's BaseWorker._start_scheduler, with the scheduler class swapped.
+        w: Any = self
+        w.scheduler = ParentBoundScheduler(
+            w.queues,
+            connection=w.connection,
+            logging_level=logging_level if logging_level is not None else w.log.level,
+            date_format=date_format,
+            log_format=log_format,
+            serializer=w.serializer,
+        )
+        w.scheduler.acquire_locks()
+        if w.scheduler.acquired_locks:
+            if burst:
+                try:
+                    w.scheduler.register_birth()
+                    w.scheduler.enqueue_scheduled_jobs()
+                finally:
+                    w.scheduler.release_locks()
+                    w.scheduler.register_death()
+            else:
+                w.scheduler.start()
+
+
+class EyrieWorker(
+    ParentBoundSchedulerMixin, OutageTolerantWorkerMixin, AllowlistWorkerMixin, Worker
+):
     """rq's forking worker, running only Eyrie's stage jobs, riding out Redis outages.
 
-    See `AllowlistWorkerMixin` and `OutageTolerantWorkerMixin`.
+    See `AllowlistWorkerMixin`, `OutageTolerantWorkerMixin` and `ParentBoundSchedulerMixin`.
     """
 
 
-class HeartbeatSimpleWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, SimpleWorker):
+class HeartbeatSimpleWorker(
+    ParentBoundSchedulerMixin, OutageTolerantWorkerMixin, AllowlistWorkerMixin, SimpleWorker
+):
     """rq's non-forking worker, heart-beating while a job runs, running only Eyrie's jobs.
 
     rq's SimpleWorker runs the job in its own main thread, so it sends no heartbeat until the
