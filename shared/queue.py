@@ -7,7 +7,12 @@ Invariants:
   resolved recipe on the volume;
 - job ids are `<run_id>-<stage>-<shard>`, letters, digits, `_` and `-` only;
 - a stage is done when its manifest exists, not when rq says so: rq's registries are
-  unreliable when workers die (rq #2015, #2289). The reconciler only re-enqueues.
+  unreliable when workers die (rq #2015, #2289). The reconciler only re-enqueues;
+- workers run only `JOB_FUNC`: any other function, callbacks, webhooks or non-JSON data are
+  refused before anything runs (`AllowlistWorkerMixin`);
+- a Redis outage is ridden out for `$EYRIE_REDIS_OUTAGE_S` seconds (`RedisOutage`) by the
+  conductor, the reconciler, the GPU lease and the workers (`OutageTolerantWorkerMixin`);
+  past that each stops with one line.
 """
 
 from __future__ import annotations
@@ -384,8 +389,10 @@ class OutageTolerantWorkerMixin:
     - when a job's own rq bookkeeping fails on an outage, the worker waits for Redis
       (`RedisOutage`) and puts the job back on its queue: a shard that finished meanwhile
       has its manifest, and its re-run is a no-op, so nothing is lost or done twice;
-    - past `outage_s` without Redis the worker stops, `gave_up` says why and
-      `eyrie worker` exits 1 with that line.
+    - past `outage_s` without Redis while it runs a job, the worker stops, `gave_up` says
+      why and `eyrie worker` exits 1 with that line (a forked work-horse still finishes its
+      shard; the reconciler re-enqueues the job if it has no manifest). An idle worker
+      waits for Redis as rq's loop does, with backoff, for as long as it takes.
 
     Attributes:
         outage_s: seconds an outage is ridden out (`redis_outage_s()`).
