@@ -234,3 +234,73 @@ def test_gpu_lease_is_lost_past_the_outage_budget(tmp_path):
                 lease.check()
     finally:
         stop_process(redis)
+
+
+def _test_worker(url: str, queue: str, name: str, log, outage_s: str = "120"):
+    """A real worker process (tests.shared.jobfns: Eyrie's worker class, test jobs allowed)."""
+    env = {**os.environ, "EYRIE_REDIS_URL": url, "EYRIE_REDIS_OUTAGE_S": outage_s}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.shared.jobfns", queue, name, "1", "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queue", ["prep", "train"])  # forking and non-forking workers
+def test_a_running_shard_survives_an_outage_and_runs_once(tmp_path, queue):
+    from rq.job import JobStatus
+
+    from shared.queue import get_queue
+
+    port, folder = free_port(), tmp_path / "r"
+    redis, url = start_redis_server(port, folder)
+    out = tmp_path / "o"
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (closed below)
+    w = _test_worker(url, queue, f"busy-{queue}", log)
+    try:
+        conn = connect(url)
+        job = get_queue(queue, conn).enqueue(
+            "tests.shared.jobfns.slow_write", str(out), 100, 0.1, job_id="busy-0", job_timeout=300
+        )
+        _wait_for(lambda: (out / "runs.log").exists(), "the job to start", 120)
+        time.sleep(1)
+        stop_process(redis)  # mid-job: about 9 s of writing left
+        time.sleep(6)
+        assert w.poll() is None, "the worker died during the outage"
+        redis, _ = start_redis_server(port, folder)
+        _wait_for(lambda: job.get_status(refresh=True) == JobStatus.FINISHED, "the job", 120)
+        assert w.poll() is None
+    finally:
+        stop_process(w)
+        stop_process(redis)
+        log.close()
+    assert (out / "data.txt").read_text().splitlines() == [f"row {i}" for i in range(100)]
+    assert (out / "runs.log").read_text().count("\n") == 1, "the shard ran twice"
+
+
+@pytest.mark.slow
+def test_a_worker_gives_up_with_one_line_past_the_outage_budget(tmp_path):
+    from shared.queue import get_queue
+
+    redis, url = start_redis_server(free_port(), tmp_path / "r")
+    out = tmp_path / "o"
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (closed below)
+    w = _test_worker(url, "train", "doomed", log, outage_s="3")
+    try:
+        get_queue("train", connect(url)).enqueue(
+            "tests.shared.jobfns.slow_write", str(out), 300, 0.1, job_id="long-0", job_timeout=300
+        )
+        _wait_for(lambda: (out / "runs.log").exists(), "the job to start", 120)
+        stop_process(redis)
+        assert w.wait(timeout=120) == 1
+    finally:
+        stop_process(w)
+        stop_process(redis)
+        log.close()
+    text = (tmp_path / "worker.log").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("eyrie:")]
+    assert len(lines) == 1 and "unreachable" in lines[0] and "EYRIE_REDIS_OUTAGE_S=3" in lines[0]
