@@ -341,8 +341,9 @@ def refusal_reason(job: Job, job_funcs: frozenset[str] = frozenset({JOB_FUNC})) 
     named = [f"{k}={v!r:.120}" for k, v in callbacks.items() if v]
     if named:
         return f"the job names callbacks ({', '.join(named)})"
-    if job.webhooks:
-        return f"the job carries {len(job.webhooks)} webhook(s)"
+    webhooks = getattr(job, "webhooks", None) or []  # rq 3's; rq 2 has none
+    if webhooks:
+        return f"the job carries {len(webhooks)} webhook(s)"
     return None
 
 
@@ -389,10 +390,10 @@ class OutageTolerantWorkerMixin:
     - when a job's own rq bookkeeping fails on an outage, the worker waits for Redis
       (`RedisOutage`) and puts the job back on its queue: a shard that finished meanwhile
       has its manifest, and its re-run is a no-op, so nothing is lost or done twice;
-    - past `outage_s` without Redis while it runs a job, the worker stops, `gave_up` says
-      why and `eyrie worker` exits 1 with that line (a forked work-horse still finishes its
-      shard; the reconciler re-enqueues the job if it has no manifest). An idle worker
-      waits for Redis as rq's loop does, with backoff, for as long as it takes.
+    - past `outage_s` without Redis (idle or busy), the worker stops: `gave_up` says why
+      and `eyrie worker` exits 1 with that line; compose restarts it. A forked work-horse
+      still finishes its shard; a shard without a manifest is re-enqueued by the
+      reconciler.
 
     Attributes:
         outage_s: seconds an outage is ridden out (`redis_outage_s()`).
