@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psutil
@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry, SimpleWorker, Worker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
+from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
@@ -422,13 +423,19 @@ class OutageTolerantWorkerMixin:
                 try:
                     outage.failed(e)
                 except ServiceUnavailableError as gave_up:
-                    self.gave_up = str(gave_up)
-                    raise
+                    self._give_up(gave_up)
             return None
         current: RedisOutage | None = getattr(self, "_redis_outage", None)
         if current is not None:
             current.succeeded()
         return result
+
+    def _give_up(self, err: ServiceUnavailableError) -> NoReturn:
+        # rq's loop ends quietly on StopRequested (any other exception is logged with its
+        # traceback); `eyrie worker` then prints `gave_up` as its one line.
+        self.gave_up = str(err)
+        getattr(self, "log", log).error("%s", err)
+        raise StopRequested() from err
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         sup: Any = super()
@@ -468,8 +475,7 @@ class OutageTolerantWorkerMixin:
                 outage.wait_for(w.connection)
                 outage.call(_requeue_interrupted, job, queue)
             except ServiceUnavailableError as gave_up:
-                self.gave_up = str(gave_up)
-                raise
+                self._give_up(gave_up)
             w.log.warning("job %s: back on queue %s after the Redis outage", job.id, queue.name)
 
 
@@ -532,6 +538,9 @@ class ParentBoundScheduler(RQScheduler):
     `kill -9` of the worker it lives on with parent 1, renewing the scheduler lock, so no
     live worker can take over the scheduling of retries. Here the child asks for SIGTERM on
     its parent's death; rq's handler then stops it, releasing its locks.
+
+    rq's scheduler loop also ends on the first Redis error; this one (rq 3.0's loop, same
+    steps) skips a pass while Redis is away and lives as long as its worker does.
     """
 
     def start(self) -> Any:
@@ -540,7 +549,30 @@ class ParentBoundScheduler(RQScheduler):
 
     def work(self) -> None:
         die_with_parent(self._parent_pid)
-        super().work()
+        self._install_signal_handlers()
+        self.register_birth()
+        down_since: float | None = None
+        while True:
+            if self._stop_requested:
+                try:
+                    self.stop()
+                except REDIS_DOWN:  # the locks expire on their own
+                    pass
+                break
+            try:
+                if self.should_reacquire_locks:
+                    self.acquire_locks()
+                self.heartbeat()
+                self.enqueue_scheduled_jobs()
+            except REDIS_DOWN as e:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("rq scheduler: Redis unreachable (%s); waiting for it", e)
+            else:
+                if down_since is not None:
+                    log.warning("rq scheduler: Redis is back")
+                    down_since = None
+            time.sleep(self.interval)
 
 
 class ParentBoundSchedulerMixin:
@@ -601,7 +633,10 @@ class HeartbeatSimpleWorker(
 
         def beat() -> None:
             while not stop.wait(self.job_monitoring_interval):
-                self.heartbeat()
+                try:
+                    self.heartbeat()
+                except StopRequested:  # Redis gone past the budget: the job's end decides
+                    return
 
         thread = threading.Thread(target=beat, daemon=True, name="rq-heartbeat")
         thread.start()

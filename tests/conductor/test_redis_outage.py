@@ -304,3 +304,4 @@ def test_a_worker_gives_up_with_one_line_past_the_outage_budget(tmp_path):
     text = (tmp_path / "worker.log").read_text()
     lines = [ln for ln in text.splitlines() if ln.startswith("eyrie:")]
     assert len(lines) == 1 and "unreachable" in lines[0] and "EYRIE_REDIS_OUTAGE_S=3" in lines[0]
+    assert "Traceback" not in text
