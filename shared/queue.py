@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry, SimpleWorker, Worker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
-from rq.exceptions import StopRequested
+from rq.exceptions import InvalidJobOperation, StopRequested
 from rq.job import Job, JobStatus
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
@@ -487,7 +487,11 @@ def _requeue_interrupted(job: Job, queue: Queue) -> None:
     for an abandoned job.
     """
     conn = queue.connection
-    status = job.get_status(refresh=True)
+    try:
+        status = job.get_status(refresh=True)
+    except InvalidJobOperation:  # its hash is gone (Redis came back without it)
+        log.warning("job %s: gone from Redis after the outage; nothing to requeue", job.id)
+        return
     if status == JobStatus.FINISHED:
         return
     reg = queue.started_job_registry

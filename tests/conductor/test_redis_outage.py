@@ -72,6 +72,16 @@ def _eyrie_run(recipe: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
+def _dead(workers: list[subprocess.Popen], tmp_path: Path, when: str) -> str:
+    """The failure message: which worker died, its exit code and the end of its log."""
+    parts = [f"a worker died {when} the outage"]
+    for i, w in enumerate(workers):
+        if w.poll() is not None:
+            tail = (tmp_path / f"worker-{i}.log").read_text().splitlines()[-40:]
+            parts.append(f"worker-{i} exit {w.returncode}:\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def _wait_for(cond, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -123,13 +133,13 @@ def test_run_rides_out_a_redis_outage_with_identical_outputs(
         down_at = time.monotonic()
         time.sleep(10)
         assert run.poll() is None, "eyrie run died during a 10 s Redis outage"
-        assert all(w.poll() is None for w in workers), "a worker died during the outage"
+        assert all(w.poll() is None for w in workers), _dead(workers, tmp_path, "during")
         redis, _ = start_redis_server(port, redis_dir, log=redis_log)
         outage_s = time.monotonic() - down_at
 
         out, err = run.communicate(timeout=600)
         assert run.returncode == 0, out[-2000:] + err[-3000:]
-        assert all(w.poll() is None for w in workers), "a worker died after the outage"
+        assert all(w.poll() is None for w in workers), _dead(workers, tmp_path, "after")
     assert outage_s >= 10
     assert "Traceback" not in err
     assert "unreachable" in err and "Redis is back" in err  # the conductor rode it out
