@@ -100,7 +100,15 @@ def gpu_lease(
     token = json.dumps(record)
     lock = conn.lock(LEASE_KEY, timeout=ttl_s, sleep=poll_s, thread_local=False)
     outage = RedisOutage(f"the GPU lease for phase {phase!r}", outage_s)
-    if not outage.call(lock.acquire, blocking_timeout=wait_s, token=token):
+
+    def take() -> bool:
+        # An acquire whose reply an outage swallowed may have taken the lease: then it is ours.
+        if conn.get(LEASE_KEY) == token.encode():
+            lock.local.token = token.encode()
+            return True
+        return lock.acquire(blocking_timeout=wait_s, token=token)
+
+    if not outage.call(take):
         holder = outage.call(current_holder, conn)
         raise ServiceUnavailableError(
             f"GPU lease for phase {phase!r} not granted within {wait_s:.0f}s; held by {holder}"

@@ -7,23 +7,31 @@ Invariants:
   resolved recipe on the volume;
 - job ids are `<run_id>-<stage>-<shard>`, letters, digits, `_` and `-` only;
 - a stage is done when its manifest exists, not when rq says so: rq's registries are
-  unreliable when workers die (rq #2015, #2289). The reconciler only re-enqueues.
+  unreliable when workers die (rq #2015, #2289). The reconciler only re-enqueues;
+- workers run only `JOB_FUNC`: any other function, callbacks, webhooks or non-JSON data are
+  refused before anything runs (`AllowlistWorkerMixin`);
+- a Redis outage is ridden out for `$EYRIE_REDIS_OUTAGE_S` seconds (`RedisOutage`) by the
+  conductor, the reconciler, the GPU lease and the workers (`OutageTolerantWorkerMixin`);
+  past that each stops with one line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
 import os
 import re
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psutil
@@ -32,7 +40,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry, SimpleWorker, Worker
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
+from rq.exceptions import InvalidJobOperation, StopRequested
 from rq.job import Job, JobStatus
+from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
 from shared.errors import ConfigError, ServiceUnavailableError
@@ -331,8 +342,9 @@ def refusal_reason(job: Job, job_funcs: frozenset[str] = frozenset({JOB_FUNC})) 
     named = [f"{k}={v!r:.120}" for k, v in callbacks.items() if v]
     if named:
         return f"the job names callbacks ({', '.join(named)})"
-    if job.webhooks:
-        return f"the job carries {len(job.webhooks)} webhook(s)"
+    webhooks = getattr(job, "webhooks", None) or []  # rq 3's; rq 2 has none
+    if webhooks:
+        return f"the job carries {len(webhooks)} webhook(s)"
     return None
 
 
@@ -379,8 +391,10 @@ class OutageTolerantWorkerMixin:
     - when a job's own rq bookkeeping fails on an outage, the worker waits for Redis
       (`RedisOutage`) and puts the job back on its queue: a shard that finished meanwhile
       has its manifest, and its re-run is a no-op, so nothing is lost or done twice;
-    - past `outage_s` without Redis the worker stops, `gave_up` says why and
-      `eyrie worker` exits 1 with that line.
+    - past `outage_s` without Redis (idle or busy), the worker stops: `gave_up` says why
+      and `eyrie worker` exits 1 with that line; compose restarts it. A forked work-horse
+      still finishes its shard; a shard without a manifest is re-enqueued by the
+      reconciler.
 
     Attributes:
         outage_s: seconds an outage is ridden out (`redis_outage_s()`).
@@ -409,13 +423,19 @@ class OutageTolerantWorkerMixin:
                 try:
                     outage.failed(e)
                 except ServiceUnavailableError as gave_up:
-                    self.gave_up = str(gave_up)
-                    raise
+                    self._give_up(gave_up)
             return None
         current: RedisOutage | None = getattr(self, "_redis_outage", None)
         if current is not None:
             current.succeeded()
         return result
+
+    def _give_up(self, err: ServiceUnavailableError) -> NoReturn:
+        # rq's loop ends quietly on StopRequested (any other exception is logged with its
+        # traceback); `eyrie worker` then prints `gave_up` as its one line.
+        self.gave_up = str(err)
+        getattr(self, "log", log).error("%s", err)
+        raise StopRequested() from err
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         sup: Any = super()
@@ -455,8 +475,7 @@ class OutageTolerantWorkerMixin:
                 outage.wait_for(w.connection)
                 outage.call(_requeue_interrupted, job, queue)
             except ServiceUnavailableError as gave_up:
-                self.gave_up = str(gave_up)
-                raise
+                self._give_up(gave_up)
             w.log.warning("job %s: back on queue %s after the Redis outage", job.id, queue.name)
 
 
@@ -468,7 +487,11 @@ def _requeue_interrupted(job: Job, queue: Queue) -> None:
     for an abandoned job.
     """
     conn = queue.connection
-    status = job.get_status(refresh=True)
+    try:
+        status = job.get_status(refresh=True)
+    except InvalidJobOperation:  # its hash is gone (Redis came back without it)
+        log.warning("job %s: gone from Redis after the outage; nothing to requeue", job.id)
+        return
     if status == JobStatus.FINISHED:
         return
     reg = queue.started_job_registry
@@ -483,14 +506,124 @@ def _requeue_interrupted(job: Job, queue: Queue) -> None:
         queue.enqueue_job(job)
 
 
-class EyrieWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, Worker):
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Have this (forked) process get `sig` when its parent process dies.
+
+    On Linux the kernel does it (`prctl(PR_SET_PDEATHSIG)`); elsewhere a daemon thread polls
+    the parent pid every second. A parent that died before this call is caught by comparing
+    `os.getppid()` with `parent_pid`.
+    """
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    if os.getppid() != parent_pid:  # the parent died before the kernel was told to watch
+        os.kill(os.getpid(), sig)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class ParentBoundScheduler(RQScheduler):
+    """rq's scheduler process, stopped (locks released) when the worker that forked it dies.
+
+    rq forks the scheduler from the worker and never tells it when the worker dies: after a
+    `kill -9` of the worker it lives on with parent 1, renewing the scheduler lock, so no
+    live worker can take over the scheduling of retries. Here the child asks for SIGTERM on
+    its parent's death; rq's handler then stops it, releasing its locks.
+
+    rq's scheduler loop also ends on the first Redis error; this one (rq 3.0's loop, same
+    steps) skips a pass while Redis is away and lives as long as its worker does.
+    """
+
+    def start(self) -> Any:
+        self._parent_pid = os.getpid()
+        return super().start()
+
+    def work(self) -> None:
+        die_with_parent(self._parent_pid)
+        self._install_signal_handlers()
+        self.register_birth()
+        down_since: float | None = None
+        while True:
+            if self._stop_requested:
+                try:
+                    self.stop()
+                except REDIS_DOWN:  # the locks expire on their own
+                    pass
+                break
+            try:
+                if self.should_reacquire_locks:
+                    self.acquire_locks()
+                self.heartbeat()
+                self.enqueue_scheduled_jobs()
+            except REDIS_DOWN as e:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("rq scheduler: Redis unreachable (%s); waiting for it", e)
+            else:
+                if down_since is not None:
+                    log.warning("rq scheduler: Redis is back")
+                    down_since = None
+            time.sleep(self.interval)
+
+
+class ParentBoundSchedulerMixin:
+    """Starts `ParentBoundScheduler` where rq's worker would start its own `RQScheduler`."""
+
+    def _start_scheduler(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = DEFAULT_LOGGING_DATE_FORMAT,
+        log_format: str = DEFAULT_LOGGING_FORMAT,
+    ) -> None:
+        # rq 3.0's BaseWorker._start_scheduler, with the scheduler class swapped.
+        w: Any = self
+        w.scheduler = ParentBoundScheduler(
+            w.queues,
+            connection=w.connection,
+            logging_level=logging_level if logging_level is not None else w.log.level,
+            date_format=date_format,
+            log_format=log_format,
+            serializer=w.serializer,
+        )
+        w.scheduler.acquire_locks()
+        if w.scheduler.acquired_locks:
+            if burst:
+                try:
+                    w.scheduler.register_birth()
+                    w.scheduler.enqueue_scheduled_jobs()
+                finally:
+                    w.scheduler.release_locks()
+                    w.scheduler.register_death()
+            else:
+                w.scheduler.start()
+
+
+class EyrieWorker(
+    ParentBoundSchedulerMixin, OutageTolerantWorkerMixin, AllowlistWorkerMixin, Worker
+):
     """rq's forking worker, running only Eyrie's stage jobs, riding out Redis outages.
 
-    See `AllowlistWorkerMixin` and `OutageTolerantWorkerMixin`.
+    See `AllowlistWorkerMixin`, `OutageTolerantWorkerMixin` and `ParentBoundSchedulerMixin`.
     """
 
 
-class HeartbeatSimpleWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, SimpleWorker):
+class HeartbeatSimpleWorker(
+    ParentBoundSchedulerMixin, OutageTolerantWorkerMixin, AllowlistWorkerMixin, SimpleWorker
+):
     """rq's non-forking worker, heart-beating while a job runs, running only Eyrie's jobs.
 
     rq's SimpleWorker runs the job in its own main thread, so it sends no heartbeat until the
@@ -504,7 +637,10 @@ class HeartbeatSimpleWorker(OutageTolerantWorkerMixin, AllowlistWorkerMixin, Sim
 
         def beat() -> None:
             while not stop.wait(self.job_monitoring_interval):
-                self.heartbeat()
+                try:
+                    self.heartbeat()
+                except StopRequested:  # Redis gone past the budget: the job's end decides
+                    return
 
         thread = threading.Thread(target=beat, daemon=True, name="rq-heartbeat")
         thread.start()

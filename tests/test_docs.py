@@ -35,3 +35,23 @@ def test_readme_stage_table_matches_the_declarations():
         if line.startswith("| ") and len(cells) == 4 and cells[0] not in ("stage", "---"):
             table[cells[0]] = cells[1]
     assert table == {name: st.queue for name, st in load_stages().items()}
+
+
+def test_readme_security_section_states_the_trust_model():
+    from shared.queue import JOB_FUNC, RQ_CLI_FLAGS
+
+    text = README.read_text()
+    section = text[text.index("## Security") :]
+    section = section[: section.index("\n## ", 1)]
+    for needed in (
+        "REDIS_PASSWORD",  # who can enqueue
+        JOB_FUNC,  # what a worker runs
+        "rq worker",  # what never to run
+        RQ_CLI_FLAGS.split()[-1],  # the serializer to use instead
+        "Docker socket",
+        ".env",
+        "VLLM_API_KEY",
+        "HF_TOKEN",
+        "target.revision",
+    ):
+        assert needed in section, needed

@@ -147,7 +147,7 @@ def _wait(
         # Manifests are on disk, so an outage only pauses failure checks and the reconciler.
         outage.call(check, pending)
         if on_tick:
-            on_tick()
+            outage.call(on_tick)  # the demo's ticker reads job progress from Redis
         time.sleep(opts.poll_s)
 
 

@@ -72,6 +72,16 @@ def _eyrie_run(recipe: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
+def _dead(workers: list[subprocess.Popen], tmp_path: Path, when: str) -> str:
+    """The failure message: which worker died, its exit code and the end of its log."""
+    parts = [f"a worker died {when} the outage"]
+    for i, w in enumerate(workers):
+        if w.poll() is not None:
+            tail = (tmp_path / f"worker-{i}.log").read_text().splitlines()[-40:]
+            parts.append(f"worker-{i} exit {w.returncode}:\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def _wait_for(cond, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -123,13 +133,13 @@ def test_run_rides_out_a_redis_outage_with_identical_outputs(
         down_at = time.monotonic()
         time.sleep(10)
         assert run.poll() is None, "eyrie run died during a 10 s Redis outage"
-        assert all(w.poll() is None for w in workers), "a worker died during the outage"
+        assert all(w.poll() is None for w in workers), _dead(workers, tmp_path, "during")
         redis, _ = start_redis_server(port, redis_dir, log=redis_log)
         outage_s = time.monotonic() - down_at
 
         out, err = run.communicate(timeout=600)
         assert run.returncode == 0, out[-2000:] + err[-3000:]
-        assert all(w.poll() is None for w in workers), "a worker died after the outage"
+        assert all(w.poll() is None for w in workers), _dead(workers, tmp_path, "after")
     assert outage_s >= 10
     assert "Traceback" not in err
     assert "unreachable" in err and "Redis is back" in err  # the conductor rode it out
@@ -234,3 +244,74 @@ def test_gpu_lease_is_lost_past_the_outage_budget(tmp_path):
                 lease.check()
     finally:
         stop_process(redis)
+
+
+def _test_worker(url: str, queue: str, name: str, log, outage_s: str = "120"):
+    """A real worker process (tests.shared.jobfns: Eyrie's worker class, test jobs allowed)."""
+    env = {**os.environ, "EYRIE_REDIS_URL": url, "EYRIE_REDIS_OUTAGE_S": outage_s}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.shared.jobfns", queue, name, "1", "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queue", ["prep", "train"])  # forking and non-forking workers
+def test_a_running_shard_survives_an_outage_and_runs_once(tmp_path, queue):
+    from rq.job import JobStatus
+
+    from shared.queue import get_queue
+
+    port, folder = free_port(), tmp_path / "r"
+    redis, url = start_redis_server(port, folder)
+    out = tmp_path / "o"
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (closed below)
+    w = _test_worker(url, queue, f"busy-{queue}", log)
+    try:
+        conn = connect(url)
+        job = get_queue(queue, conn).enqueue(
+            "tests.shared.jobfns.slow_write", str(out), 100, 0.1, job_id="busy-0", job_timeout=300
+        )
+        _wait_for(lambda: (out / "runs.log").exists(), "the job to start", 120)
+        time.sleep(1)
+        stop_process(redis)  # mid-job: about 9 s of writing left
+        time.sleep(6)
+        assert w.poll() is None, "the worker died during the outage"
+        redis, _ = start_redis_server(port, folder)
+        _wait_for(lambda: job.get_status(refresh=True) == JobStatus.FINISHED, "the job", 120)
+        assert w.poll() is None
+    finally:
+        stop_process(w)
+        stop_process(redis)
+        log.close()
+    assert (out / "data.txt").read_text().splitlines() == [f"row {i}" for i in range(100)]
+    assert (out / "runs.log").read_text().count("\n") == 1, "the shard ran twice"
+
+
+@pytest.mark.slow
+def test_a_worker_gives_up_with_one_line_past_the_outage_budget(tmp_path):
+    from shared.queue import get_queue
+
+    redis, url = start_redis_server(free_port(), tmp_path / "r")
+    out = tmp_path / "o"
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (closed below)
+    w = _test_worker(url, "train", "doomed", log, outage_s="3")
+    try:
+        get_queue("train", connect(url)).enqueue(
+            "tests.shared.jobfns.slow_write", str(out), 300, 0.1, job_id="long-0", job_timeout=300
+        )
+        _wait_for(lambda: (out / "runs.log").exists(), "the job to start", 120)
+        stop_process(redis)
+        assert w.wait(timeout=120) == 1
+    finally:
+        stop_process(w)
+        stop_process(redis)
+        log.close()
+    text = (tmp_path / "worker.log").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("eyrie:")]
+    assert len(lines) == 1 and "unreachable" in lines[0] and "EYRIE_REDIS_OUTAGE_S=3" in lines[0]
+    assert "Traceback" not in text

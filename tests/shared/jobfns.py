@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -46,11 +47,16 @@ def main(argv: list[str]) -> int:
     funcs = frozenset({JOB_FUNC, "tests.shared.jobfns.slow_write", "tests.shared.jobfns.echo"})
     w = make_worker([queue], connect(), name=name, job_monitoring_interval=int(monitor_s),
                     job_funcs=funcs)  # fmt: skip
-    w.work(burst=burst == "1", with_scheduler=True, logging_level="INFO")
+    try:
+        w.work(burst=burst == "1", with_scheduler=True, logging_level="INFO")
+    except Exception as e:  # as `eyrie worker` does: one line, exit 1
+        print(f"eyrie: {w.gave_up or e}", file=sys.stderr)
+        return 1
+    if w.gave_up:
+        print(f"eyrie: {w.gave_up}", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

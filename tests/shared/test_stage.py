@@ -128,3 +128,29 @@ def test_job_for_a_missing_run_is_refused(data_dir):
     with pytest.raises(ConfigError, match="run 'nope-1' does not exist"):
         run_stage_job("nope-1", "prep", 0)
     assert validate_payload("run-1", "prep", 2) == ("run-1", "prep", 2)
+
+
+def test_execute_sweeps_a_single_shard_stage_at_its_start(data_dir):
+    """A hard kill in train (one shard) leaves temps deep in its folder; the next run sweeps."""
+    store = RunStore.create(resolve_recipe(MINIMAL))
+    folder = store.stage_dir("probe")
+    ckpt_temp = folder / "checkpoints" / ".tmp-epoch-00001-abc" / "epoch-00001" / "model.bin"
+    ckpt_temp.parent.mkdir(parents=True)
+    ckpt_temp.write_bytes(b"half a checkpoint")
+    loose = folder / ".tmp-metrics.jsonl-xyz"
+    loose.write_text("{}")
+    kept = folder / "checkpoints" / "epoch-00000" / "model.bin"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"a finished checkpoint")
+    seen: list[bool] = []
+
+    def body(ctx):
+        seen.append(ckpt_temp.parent.parent.exists() or loose.exists())
+        out = ctx.store.stage_dir("probe") / "out.txt"
+        atomic_write_bytes(out, b"ok\n")
+        return ShardResult({"rows": 1}, [out])
+
+    execute(Stage("probe", "train", 60, body, shards=1), store, 0)
+    assert seen == [False], "the temps were still there when the body started"
+    assert kept.read_bytes() == b"a finished checkpoint"
+    assert not any(p.name.startswith(".tmp-") for p in folder.rglob("*"))
