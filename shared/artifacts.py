@@ -33,8 +33,10 @@ Layout (N = shard number, `shard-NNNNN`, 5 digits; each stage folder also holds
                training split), d2t.npy int64 [draft_vocab] (offsets: target = draft +
                d2t[draft]), t2d.npy bool [target_vocab], coverage.json (Coverage),
                token_freq.pt ({target id: count}, speculators' format)
-    extract/   shard-N/ in speculators' offline layout: data/ (HF save_to_disk:
-               input_ids, loss_mask, seq_len; the rows of tokenize/shard-N, same order),
+    extract/   shard-N/ in speculators' offline layout, readable by speculators' own
+               `ArrowDataset(datapath=shard-N)`: the HF save_to_disk files at the shard
+               root (state.json, dataset_info.json, data-*.arrow: input_ids, loss_mask,
+               seq_len; the rows of tokenize/shard-N, same order; saved in torch format),
                hidden_states/hs_<row>.safetensors (hidden_states bf16 [seq_len, 3+1, H]:
                the aux ids in order, then the final PRE-norm state; token_ids int64
                [seq_len]), meta.json (ExtractMeta); vllm-hidden-states/ (scratch of the
@@ -519,8 +521,17 @@ class ExtractArtifacts(_Stage):
     def shard_dir(self, shard: int) -> Path:
         return self._shard(shard, "")
 
+    #: The file `save_to_disk` writes last; its presence at the shard root marks the rows
+    #: as written (they are moved there with it last).
+    DATA_STATE = "state.json"
+
     def data_path(self, shard: int) -> Path:
-        return self.shard_dir(shard) / "data"
+        """The shard's rows dataset: the shard folder itself.
+
+        That is where speculators' `ArrowDataset` reads it (`load_from_disk(datapath)`, with
+        `datapath/hidden_states/` beside it).
+        """
+        return self.shard_dir(shard)
 
     def hs_dir(self, shard: int) -> Path:
         return self.shard_dir(shard) / self.HS_DIR
@@ -552,17 +563,51 @@ class ExtractArtifacts(_Stage):
         from datasets import load_from_disk
 
         path = self.data_path(shard)
-        if not path.is_dir():
-            raise ArtifactError(f"{path}: missing (extract shard {shard} did not finish)")
+        if not (path / self.DATA_STATE).is_file():
+            raise ArtifactError(
+                f"{path}: no rows dataset at the shard root (extract shard {shard} did not "
+                "finish, or was written with the old data/ subfolder: rerun extract --force)"
+            )
         return load_from_disk(str(path)).with_format(None)
 
-    def write_data(self, shard: int, rows: datasets.Dataset) -> Path:
-        """Write the shard's rows (only speculators' columns) once; later calls keep them."""
-        path = self.data_path(shard)
-        if not path.is_dir():
-            with atomic_path(path) as tmp:
-                rows.select_columns(list(SPECULATORS_COLUMNS)).save_to_disk(str(tmp))
-        return path
+    def data_files(self, shard: int) -> list[Path]:
+        """The rows dataset's own files at the shard root.
+
+        What a manifest hashes; the hidden-state files beside them are not part of it.
+        """
+        root = self.data_path(shard)
+        arrow = sorted(root.glob("data-*.arrow"))
+        return [*arrow, root / "dataset_info.json", root / self.DATA_STATE]
+
+    def write_data(self, shard: int, rows: datasets.Dataset) -> list[Path]:
+        """Write the shard's rows once at the shard root; later calls keep them.
+
+        Only speculators' columns, saved in torch format (speculators' preprocessing calls
+        `set_format(type="torch")` before saving, and its `ArrowDataset` compares the rows'
+        `input_ids` with tensors). Each file is moved into place atomically, `state.json`
+        last, so the rows count as written only when all of them are.
+
+        Returns:
+            `data_files(shard)`.
+        """
+        import shutil
+        import tempfile
+
+        path = make_dirs(self.data_path(shard))
+        if (path / self.DATA_STATE).is_file():
+            return self.data_files(shard)
+        holder = Path(tempfile.mkdtemp(prefix=".tmp-data-", dir=path))
+        try:
+            ds = rows.select_columns(list(SPECULATORS_COLUMNS)).with_format("torch")
+            # An empty dataset needs an explicit shard count to be loadable (see tokenize).
+            ds.save_to_disk(str(holder / "ds"), num_shards=1 if len(ds) == 0 else None)
+            files = sorted((holder / "ds").iterdir(), key=lambda f: f.name == self.DATA_STATE)
+            for f in files:
+                with atomic_path(path / f.name) as tmp:
+                    shutil.move(str(f), str(tmp))
+        finally:
+            shutil.rmtree(holder, ignore_errors=True)
+        return self.data_files(shard)
 
 
 class TrainArtifacts(_Stage):

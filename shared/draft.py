@@ -117,7 +117,7 @@ class DraftSpec:
             head_dim=int(layer["head_dim"]),
             hidden_act=str(layer["hidden_act"]),
             rms_norm_eps=float(layer["rms_norm_eps"]),
-            rope_parameters=_standard_rope(layer["rope_parameters"]),
+            rope_parameters=standard_rope(layer["rope_parameters"]),
             max_position_embeddings=int(layer["max_position_embeddings"]),
             verifier=verifier,
         )
@@ -161,7 +161,7 @@ class DraftSpec:
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": _standard_rope(self.rope_parameters),
+            "rope_parameters": standard_rope(self.rope_parameters),
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "mlp_bias": False,
@@ -170,7 +170,7 @@ class DraftSpec:
 
     def config_dict(self) -> dict[str, Any]:
         """The vLLM llama-style `config.json` content."""
-        rope = _standard_rope(self.rope_parameters)
+        rope = standard_rope(self.rope_parameters)
         return {
             "architectures": [LLAMA_ARCH],
             "model_type": "llama",
@@ -238,7 +238,7 @@ class DraftSpec:
         return shapes
 
 
-def _standard_rope(rope: dict[str, Any]) -> dict[str, Any]:
+def standard_rope(rope: dict[str, Any]) -> dict[str, Any]:
     """A copy of a RoPE dict with the legacy `type` key folded into `rope_type`."""
     out = dict(rope)
     out["rope_type"] = out.get("rope_type") or out.get("type", "default")
@@ -301,7 +301,7 @@ def forward_view(cfg: dict[str, Any]) -> dict[str, Any]:
         "mlp_bias",
     )
     out: dict[str, Any] = {k: getattr(hf, k, None) for k in keys}
-    out["rope_parameters"] = _standard_rope(dict(hf.rope_parameters or {}))
+    out["rope_parameters"] = standard_rope(dict(hf.rope_parameters or {}))
     out["draft_vocab_size"] = cfg.get("draft_vocab_size")
     out["target_hidden_size"] = cfg.get("target_hidden_size")
     for flag in NORM_FLAGS:

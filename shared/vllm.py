@@ -452,3 +452,39 @@ def preflight_launch(
             + "\n  - ".join(problems)
             + "\nFix serve.extra_args, the draft export (eyrie stage export) or the recipe."
         )
+
+
+# -- export round trip ----------------------------------------------------------------------
+
+
+def engine_read_problems(draft_dir: Path | str, expect: dict[str, Any]) -> list[str] | None:
+    """How vLLM's own config loader reads a draft folder, compared with the trained draft.
+
+    The folder goes through `vllm.transformers_utils.config.get_config` (speculators-format
+    folders come back as vLLM's `SpeculatorsConfig`; llama-style ones are wrapped in
+    `EAGLEConfig(method="eagle3")`, as vLLM's SpeculativeConfig does), and every
+    forward-pass key of `expect` (`shared.draft.DraftSpec.forward_config`) is compared.
+
+    Args:
+        draft_dir: an exported folder (vllm/, speculators/, sglang/).
+        expect: the trained draft's forward config.
+
+    Returns:
+        One problem per differing key (prefixed "vLLM reads"), [] when vLLM reads the folder
+        as trained, or None when vLLM is not installed here (the check did not run).
+    """
+    try:
+        from vllm.transformers_utils.config import get_config
+        from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    except ImportError:
+        return None
+    from shared.draft import compare_forward, standard_rope
+
+    cfg: Any = get_config(str(draft_dir), trust_remote_code=False)
+    if getattr(cfg, "model_type", None) != "speculators":
+        cfg = EAGLEConfig(cfg, method="eagle3", model_type="eagle").model
+    got = {k: getattr(cfg, k, None) for k in expect}
+    got["rope_parameters"] = standard_rope(dict(getattr(cfg, "rope_parameters", None) or {}))
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        got[flag] = bool(got[flag])
+    return [f"vLLM reads {p}" for p in compare_forward(got, expect)]

@@ -7,9 +7,9 @@ batches by a token budget (halved on OOM), checks each sample and writes `extrac
 Invariants:
 - idempotent: a sample whose hidden-state file exists is skipped, so a killed job resumes
   where it stopped and a rerun of a finished shard writes nothing;
-- rows keep the tokenized shard's numbering: `data/` has the same rows in the same order,
-  and `hs_<row>` is row `row` of it. A quarantined row has no file (speculators skips
-  missing files with `on_missing=skip`) and is listed in `meta.json`;
+- rows keep the tokenized shard's numbering: the shard's rows dataset has the same rows in
+  the same order, and `hs_<row>` is row `row` of it. A quarantined row has no file
+  (speculators skips missing files with `on_missing=skip`) and is listed in `meta.json`;
 - the stage fails only when more than `MAX_QUARANTINE_FRACTION` of the rows are bad.
 """
 
@@ -110,7 +110,7 @@ def extract_shard(ctx: StageContext, extractor: Extractor | None = None) -> Shar
         bytes_needed(todo_tokens, hidden, recipe.extract.dtype),
         "hidden states",
     )
-    data = art.write_data(shard, tok)
+    data_files = art.write_data(shard, tok)
     extractor = extractor or make_extractor(recipe, ctx.server_url("extract"))
     result, stats = _extract_rows(ctx, input_ids, ids, todo, extractor)
     rows = len(input_ids)
@@ -149,7 +149,7 @@ def extract_shard(ctx: StageContext, extractor: Extractor | None = None) -> Shar
         "oom_retries": stats.oom_retries,
     }
     extra = {"aux_layer_ids": meta.aux_layer_ids, "final_state": meta.final_state}
-    return ShardResult(counts, [data, meta_path], extra)
+    return ShardResult(counts, [*data_files, meta_path], extra)
 
 
 def _extract_rows(

@@ -12,7 +12,9 @@ Layout written (`shared/artifacts.py`, export/):
                   output of layer i; `shared.conventions.sglang_layer_ids`, which refuses ids
                   whose first id is not 2); `config.json["eyrie"]` records the convention
                   written and the original Eyrie ids
-    lint.json     `{folder: {"ok", "problems"}}` from `shared.draft.lint_draft_dir`
+    lint.json     `{folder: {"ok", "problems"}}` from `shared.draft.lint_draft_dir`, plus,
+                  where vLLM is installed, how vLLM's own config loader reads each folder
+                  (`shared.vllm.engine_read_problems`, the export round trip)
 
 Invariants: every folder's config is built from the rebuilt draft's own config object
 (`draft_spec`), never re-derived from the target, and the lint compares each folder's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,9 +43,12 @@ from shared.recipe import Recipe
 from shared.records import ExportSummary
 from shared.store import atomic_path
 from shared.target import target_config
+from shared.vllm import engine_read_problems
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("eyrie.export")
 
 #: Weights that are never exported: teacher-side copies and vocab maps written separately.
 _NOT_EXPORTED = ("verifier_lm_head.", "verifier_norm.", "embed_tokens.", "rotary_emb.")
@@ -175,6 +181,10 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
             expect_aux_ids=aux_ids,
             expect_forward=spec.forward_config(),
         )
+        engine = engine_read_problems(art.folder(name), spec.forward_config())
+        if engine is None:
+            log.info("%s: vLLM not installed here; the engine round trip did not run", name)
+        report.lint[name] += engine or []
     art.write_lint(report.lint)
     art.write_summary(
         ExportSummary(checkpoint=folder.name, written=report.written, skipped=report.skipped)

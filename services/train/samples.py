@@ -4,10 +4,11 @@ Responsibility: index every extracted sample of a run, sort it into the training
 validation side by the run's split (`split/split.json`: held-out conversations), and load
 one sample as the draft's aligned inputs.
 
-Layout read (`shared.artifacts.ExtractArtifacts`): per shard `data/` (`input_ids`,
-`loss_mask`, `seq_len`), `hidden_states/hs_<row>.safetensors` (`hidden_states` bf16
-`[seq_len, 3+1, H]`: the 3 aux layers, then the final PRE-norm state; `token_ids` int64
-`[seq_len]`) and `meta.json`; the conversation of each row from `tokenize/shard-N/`.
+Layout read (`shared.artifacts.ExtractArtifacts`): per shard the rows dataset at the shard
+root (`input_ids`, `loss_mask`, `seq_len`), `hidden_states/hs_<row>.safetensors`
+(`hidden_states` bf16 `[seq_len, 3+1, H]`: the 3 aux layers, then the final PRE-norm state;
+`token_ids` int64 `[seq_len]`) and `meta.json`; the conversation of each row from
+`tokenize/shard-N/`.
 
 Alignment (speculators `models/eagle3/data.py: shift_batch`, vLLM's eagle proposer): the
 draft at position t sees the target's aux states `g_t` and the next token `x_{t+1}`, and is
@@ -46,7 +47,7 @@ class SampleRef:
 
     Attributes:
         shard: the extract shard.
-        row: row index in the shard's `data/` (and the `hs_<row>` file number).
+        row: row index in the shard's rows dataset (and the `hs_<row>` file number).
         positions: aligned positions after the shift (seq_len - 1).
         hs_file: its hidden-state file.
     """
@@ -150,7 +151,7 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> AlignedSample:
 
     Args:
         ref: the sample.
-        loss_mask: the row's unshifted loss mask from the shard's `data/`.
+        loss_mask: the row's unshifted loss mask from the shard's rows dataset.
 
     Raises:
         ArtifactError: the file's shape or length disagrees with the shard's data.
@@ -164,7 +165,7 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> AlignedSample:
     if hs.ndim != 3 or hs.shape[0] != n or hs.shape[1] != NUM_AUX_LAYERS + 1:
         raise ArtifactError(
             f"{ref.hs_file}: hidden_states shape {tuple(hs.shape)}, expected "
-            f"[{n}, {NUM_AUX_LAYERS + 1}, H] (seq_len from data/ row {ref.row})"
+            f"[{n}, {NUM_AUX_LAYERS + 1}, H] (seq_len from the rows dataset, row {ref.row})"
         )
     mask = shift_mask_left(loss_mask)[1:]
     return AlignedSample(

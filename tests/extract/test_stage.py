@@ -49,9 +49,19 @@ def test_layout_checks_and_resume(smollm2_path, smollm2_model, extractor, store_
     assert meta["final_state"] == "pre_norm" and meta["pre_norm"] is True
     assert meta["hidden_size"] == 576 and meta["target_revision"]
 
+    # The rows dataset sits at the shard root, beside hidden_states/, in torch format.
+    assert art.data_path(0) == art.shard_dir(0) == art.hs_dir(0).parent
     data = load_from_disk(str(art.data_path(0)))
-    assert data["input_ids"] == [r["input_ids"] for r in rows]
+    assert data.format["type"] == "torch"
+    assert data.with_format(None)["input_ids"] == [r["input_ids"] for r in rows]
     assert set(data.column_names) == {"input_ids", "loss_mask", "seq_len"}
+    assert art.data(0)["loss_mask"] == [r["loss_mask"] for r in rows]
+    assert set(json.loads(store.manifest_path("extract", 0).read_text())["files"]) == {
+        "shard-00000/data-00000-of-00001.arrow",
+        "shard-00000/dataset_info.json",
+        "shard-00000/state.json",
+        "shard-00000/meta.json",
+    }
 
     for row, r in enumerate(rows):
         f = load_file(art.hs_path(0, row))
@@ -174,3 +184,37 @@ def test_disk_preflight_refuses_with_both_numbers(
     with pytest.raises(ConfigError) as err:
         run_extract(store, 0)  # no extractor: the model is never loaded
     assert f"({needed} bytes)" in str(err.value) and "(1000 bytes)" in str(err.value)
+
+
+def test_speculators_reads_the_shard_as_it_is(smollm2_path, extractor, store_for, sharegpt_rows):
+    """Peer round trip: speculators 0.9.0's own `ArrowDataset` (datapath = the shard folder,
+    hidden states from `hidden_states/` beside it, as `speculators train --data-path` reads
+    them) and its `CollateFn` load every extracted row with the right values and shapes."""
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.recovery import SampleUnavailable
+
+    rows = sharegpt_rows[:4]
+    store, art = _shard(store_for, make_recipe(smollm2_path), rows)
+    run_extract(store, 0, extractor)
+    ds = ArrowDataset(max_len=1024, datapath=str(art.shard_dir(0)), on_missing="raise")
+    assert len(ds) == 4 and ds.approx_lengths == [len(r["input_ids"]) for r in rows]
+    for i, r in enumerate(rows):
+        item = ds[i]
+        assert not isinstance(item, SampleUnavailable), item
+        n = len(r["input_ids"])
+        stored = load_file(art.hs_path(0, i))["hidden_states"]
+        assert item["input_ids"].tolist() == r["input_ids"]
+        assert item["loss_mask"].tolist() == r["loss_mask"]
+        assert item["hidden_states"].shape == (n, 3 * 576)
+        assert torch.equal(item["hidden_states"], stored[:, :3].flatten(1))
+        assert torch.equal(item["verifier_last_hidden_states"], stored[:, 3])
+    # speculators packs a batch into one max_len row; document_ids says whose token is where.
+    lengths = [len(r["input_ids"]) for r in rows]
+    max_len = sum(lengths) + 8
+    batch = CollateFn(max_len=max_len, hidden_size=576)([ds[i] for i in range(4)])
+    assert batch["error_records"] == 0
+    assert batch["hidden_states"].shape == (1, max_len, 3 * 576)
+    flat = [t for r in rows for t in r["input_ids"]]
+    assert batch["input_ids"][0, : len(flat)].tolist() == flat
+    docs = batch["document_ids"][0]
+    assert [int((docs == i).sum()) for i in range(4)] == lengths and int((docs == -1).sum()) == 8

@@ -29,3 +29,25 @@ def test_folder_without_config(tmp_path):
 def test_expected_shape_mismatch(smollm2_path):
     with pytest.raises(ConfigError, match="target.hidden_size: recipe expects 4096"):
         target_config(_recipe(smollm2_path, hidden_size=4096))
+
+
+def test_multimodal_target_reads_its_text_config_rope():
+    """Kimi-K2.5 (multimodal): the text config is picked, and its legacy `rope_scaling`
+    (`type: yarn` with DeepSeek's mscale keys) becomes the one `rope_parameters` dict."""
+    from pathlib import Path
+
+    kimi = Path(__file__).resolve().parents[1] / "fixtures" / "kimi-k2.5"
+    cfg = target_config(_recipe(kimi))
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (61, 7168, 163840)
+    assert cfg["rope_parameters"] == {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    assert "rope_scaling" not in cfg and cfg["head_dim"] == 7168 // 64
+    assert (cfg["rms_norm_eps"], cfg["hidden_act"]) == (1e-5, "silu")
