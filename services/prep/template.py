@@ -182,16 +182,11 @@ def _quirks(tok: Any) -> list[TemplateQuirk]:
     return [q for q in QUIRKS.values() if q.applies(tok.chat_template or "")]
 
 
-def _turn_start(
-    tok: Any,
-    full: str,
-    messages: Sequence[dict[str, Any]],
-    i: int,
-    kwargs: dict,
-    tools: list | None,
-    injected: Sequence[str],
-) -> int:
-    pre = render_row(tok, messages[:i], kwargs, True, tools)
+def _turn_start(full: str, pre: str, i: int, m: dict[str, Any], injected: Sequence[str]) -> int:
+    """Where assistant message `i` (`m`) starts in `full`.
+
+    `pre` is the render of the messages before it with the generation prompt.
+    """
     if not full.startswith(pre):
         # enable_thinking=False puts an empty think block in the generation prompt only.
         base = next((pre[: -len(x)] for x in injected if pre.endswith(x)), None)
@@ -203,7 +198,7 @@ def _turn_start(
             )
         pre = base
     start = len(pre)
-    if not messages[i].get("reasoning_content"):
+    if not m.get("reasoning_content"):
         for x in injected:
             if full.startswith(x, start):
                 return start + len(x)
@@ -280,7 +275,8 @@ def _place_turns(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _turn_start(tok, full, messages, i, kwargs, tools, injected)
+        pre = render_row(tok, messages[:i], kwargs, True, tools)
+        start = _turn_start(full, pre, i, m, injected)
         end = full.find(end_text, start)
         if end < 0:
             raise RowRejected("no_end_of_turn", f"messages[{i}]", f"{end_text!r} not found")
@@ -294,7 +290,7 @@ def _place_turns(
             raise RowRejected(
                 "no_end_of_turn", f"messages[{i}]", f"{end_text!r} does not close this turn"
             )
-        own_start = _turn_start(tok, upto, messages[: i + 1], i, kwargs, tools, injected)
+        own_start = _turn_start(upto, pre, i, m, injected)
         own_end = upto.find(end_text, own_start)
         own = upto[own_start : own_end + len(end_text)] if own_end >= 0 else upto[own_start:]
         for call in m.get("tool_calls") or ():
