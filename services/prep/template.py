@@ -28,6 +28,7 @@ Template quirks live in `QUIRKS` (a registry).
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -451,10 +452,12 @@ def round_trip_problem(
         None, or the counted reason `round_trip_<kind>_missing` (kind: content, reasoning,
         tool_call) of the first turn whose trained tokens do not decode to show it.
     """
+    starts = [s for s, _ in offsets]  # ascending: tokens are in text order
     for t in turns:
         a, b = t.span
-        trained = [x for x, (s, _) in zip(ids, offsets, strict=True) if a <= s < b]
-        text = tok.decode(trained, skip_special_tokens=False)
+        text = tok.decode(
+            ids[bisect_left(starts, a) : bisect_left(starts, b)], skip_special_tokens=False
+        )
         for kind, want in t.expect:
             if want not in text:
                 return f"round_trip_{kind}_missing"
