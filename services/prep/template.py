@@ -22,6 +22,15 @@ trained as a lone end-of-turn token: every tool call's name and argument values 
 in its turn's span (`template_cannot_render_tool_calls`), and a template that raises on a
 message is `template_render_error`.
 
+A turn the template renders differently once later turns exist (Qwen3 drops the reasoning
+of every assistant turn before the last user turn) is found by comparing its span in F with
+the same turn rendered as the last one, `render(messages[:i+1])`: it is not trained in F
+(`Rendered.rewritten`); `prefix_turn` trains it from the prefix that ends with it.
+
+Template round trip (`round_trip_problem`, every sample): the trained tokens of each turn
+are decoded and must show its content, its reasoning where the template writes it, and its
+tool-call names; a sample that does not is dropped, counted `round_trip_<kind>_missing`.
+
 Template quirks live in `QUIRKS` (a registry).
 """
 
