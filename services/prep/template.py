@@ -22,12 +22,22 @@ trained as a lone end-of-turn token: every tool call's name and argument values 
 in its turn's span (`template_cannot_render_tool_calls`), and a template that raises on a
 message is `template_render_error`.
 
+A turn the template renders differently once later turns exist (Qwen3 drops the reasoning
+of every assistant turn before the last user turn) is found by comparing its span in F with
+the same turn rendered as the last one, `render(messages[:i+1])`: it is not trained in F
+(`Rendered.rewritten`); `prefix_turn` trains it from the prefix that ends with it.
+
+Template round trip (`round_trip_problem`, every sample): the trained tokens of each turn
+are decoded and must show its content, its reasoning where the template writes it, and its
+tool-call names; a sample that does not is dropped, counted `round_trip_<kind>_missing`.
+
 Template quirks live in `QUIRKS` (a registry).
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,16 +192,11 @@ def _quirks(tok: Any) -> list[TemplateQuirk]:
     return [q for q in QUIRKS.values() if q.applies(tok.chat_template or "")]
 
 
-def _turn_start(
-    tok: Any,
-    full: str,
-    messages: Sequence[dict[str, Any]],
-    i: int,
-    kwargs: dict,
-    tools: list | None,
-    injected: Sequence[str],
-) -> int:
-    pre = render_row(tok, messages[:i], kwargs, True, tools)
+def _turn_start(full: str, pre: str, i: int, m: dict[str, Any], injected: Sequence[str]) -> int:
+    """Where assistant message `i` (`m`) starts in `full`.
+
+    `pre` is the render of the messages before it with the generation prompt.
+    """
     if not full.startswith(pre):
         # enable_thinking=False puts an empty think block in the generation prompt only.
         base = next((pre[: -len(x)] for x in injected if pre.endswith(x)), None)
@@ -203,7 +208,7 @@ def _turn_start(
             )
         pre = base
     start = len(pre)
-    if not messages[i].get("reasoning_content"):
+    if not m.get("reasoning_content"):
         for x in injected:
             if full.startswith(x, start):
                 return start + len(x)
@@ -280,7 +285,8 @@ def _place_turns(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _turn_start(tok, full, messages, i, kwargs, tools, injected)
+        pre = render_row(tok, messages[:i], kwargs, True, tools)
+        start = _turn_start(full, pre, i, m, injected)
         end = full.find(end_text, start)
         if end < 0:
             raise RowRejected("no_end_of_turn", f"messages[{i}]", f"{end_text!r} not found")
@@ -294,7 +300,7 @@ def _place_turns(
             raise RowRejected(
                 "no_end_of_turn", f"messages[{i}]", f"{end_text!r} does not close this turn"
             )
-        own_start = _turn_start(tok, upto, messages[: i + 1], i, kwargs, tools, injected)
+        own_start = _turn_start(upto, pre, i, m, injected)
         own_end = upto.find(end_text, own_start)
         own = upto[own_start : own_end + len(end_text)] if own_end >= 0 else upto[own_start:]
         for call in m.get("tool_calls") or ():
@@ -455,10 +461,12 @@ def round_trip_problem(
         None, or the counted reason `round_trip_<kind>_missing` (kind: content, reasoning,
         tool_call) of the first turn whose trained tokens do not decode to show it.
     """
+    starts = [s for s, _ in offsets]  # ascending: tokens are in text order
     for t in turns:
         a, b = t.span
-        trained = [x for x, (s, _) in zip(ids, offsets, strict=True) if a <= s < b]
-        text = tok.decode(trained, skip_special_tokens=False)
+        text = tok.decode(
+            ids[bisect_left(starts, a) : bisect_left(starts, b)], skip_special_tokens=False
+        )
         for kind, want in t.expect:
             if want not in text:
                 return f"round_trip_{kind}_missing"

@@ -17,7 +17,8 @@ Two inputs:
   completion instead.
 
 Then truncation to `prep.max_len_tokens` (counted) and the `0 < mask.sum() < len` check
-(dropped and counted per reason in the shard's report).
+(dropped and counted per reason in the shard's report, which lists the first
+`DROPPED_LISTED` dropped rows by id, reason, field and detail: the stage's quarantine).
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ from shared.tokenizer import load_tokenizer, stop_ids
 
 #: Conversations rendered and tokenized per tokenizer batch call.
 TOKENIZE_BATCH = 64
+
+#: Dropped rows listed by id, reason, field and detail in a shard's report (all are counted).
+DROPPED_LISTED = 200
+
+
+class Tally(Counter):
+    """Counts per reason, and the first `DROPPED_LISTED` dropped rows (the quarantine list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped: list[dict[str, str]] = []
+
+
+def drop(counts: Counter, e: RowRejected, sample_id: str) -> None:
+    """Count a dropped row or sample under `dropped:<reason>`, and list it in a `Tally`."""
+    counts[f"dropped:{e.reason}"] += 1
+    if isinstance(counts, Tally) and len(counts.dropped) < DROPPED_LISTED:
+        counts.dropped.append(
+            {"id": sample_id, "reason": e.reason, "field": e.field, "detail": e.detail}
+        )
 
 
 def finish(sample: TokenizedSample, max_len: int, counts: Counter) -> TokenizedSample:
@@ -99,7 +120,7 @@ def from_conversations(
         try:
             renders += [(row, sid, r) for sid, r in _renders(tok, row, kwargs, rewritten, counts)]
         except RowRejected as e:
-            counts[f"dropped:{e.reason}"] += 1
+            drop(counts, e, row.id)
     out = []
     done = tokenize_rendered(tok, [r for _, _, r in renders])
     for (row, sid, _), (ids, mask, problem) in zip(renders, done, strict=True):
@@ -108,7 +129,7 @@ def from_conversations(
                 raise RowRejected(problem, sid)
             out.append(finish(TokenizedSample(sid, row.id, row.source, ids, mask), max_len, counts))
         except RowRejected as e:
-            counts[f"dropped:{e.reason}"] += 1
+            drop(counts, e, sid)
     return out
 
 
@@ -217,7 +238,7 @@ def from_regen(
                 out.append(finish(sample, max_len, counts))
                 counts["turn_samples"] += 1
             except RowRejected as e:
-                counts[f"dropped:{e.reason}"] += 1
+                drop(counts, e, sample.id)
     else:
         prompt_mask = _regen_prompt_mask(tok, rec, len(rec.turns) - 1, prompt, kwargs, counts)
     sample = TokenizedSample(
@@ -257,7 +278,7 @@ def _samples(ctx: StageContext, tok: Any, counts: Counter) -> list[TokenizedSamp
                     try:
                         out += from_regen(tok, rec, kwargs, max_len, counts, stops)
                     except RowRejected as e:
-                        counts[f"dropped:{e.reason}"] += 1
+                        drop(counts, e, rec.id)
             else:
                 out += from_conversations(
                     tok, batch, kwargs, max_len, counts, recipe.prep.rewritten_turns
@@ -297,11 +318,12 @@ def tokenize_stage(ctx: StageContext) -> ShardResult:
     """Render, mask and tokenize one shard (regenerated, or deduplicated conversations)."""
     recipe = ctx.recipe
     tok = load_tokenizer(recipe)
-    counts: Counter = Counter()
+    counts = Tally()
     samples = _samples(ctx, tok, counts)
     report = {
         **token_stats(samples),
         **dict(sorted(counts.items())),
+        "dropped_rows": counts.dropped,
         "kept": len(samples),
         "max_len_tokens": recipe.prep.max_len_tokens,
         "chat_template_kwargs": recipe.target.chat_template_kwargs,

@@ -456,6 +456,10 @@ def test_prep_stats_lists_every_reason(tmp_path, data_dir, smollm2_path, capsys)
         "skipped:unsupported_content_part:image_url": 1,
     }
     assert stats["reasons"]["tokenize"] == {"dropped:template_cannot_render_tool_calls": 1}
+    listed = [r for rep in store.tokenize.reports() for r in rep["dropped_rows"]]
+    assert [(r["id"], r["reason"], r["field"]) for r in listed] == [
+        ("mixed:0", "template_cannot_render_tool_calls", "messages[1].tool_calls")
+    ]
     assert main(["prep-stats", store.run_id]) == 0
     out = capsys.readouterr().out
     assert "    dropped:template_cannot_render_tool_calls: 1\n" in out
