@@ -17,7 +17,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -176,7 +176,18 @@ class ExtractConfig(Section):
 class DraftConfig(Section):
     """The EAGLE-3 draft architecture (one decoder layer)."""
 
-    draft_vocab_size: int = Field(32000, gt=0, description="Rows of the draft lm_head (tokens).")
+    draft_vocab_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        32000,
+        description="Rows of the draft lm_head (tokens), or 'auto': the fewest most-frequent "
+        "assistant tokens reaching draft.vocab_coverage, special tokens always in.",
+    )
+    vocab_coverage: float = Field(
+        0.99,
+        gt=0,
+        le=1,
+        description="Share of the training split's assistant tokens an 'auto' draft "
+        "vocabulary covers.",
+    )
     hidden_size: int | None = Field(
         None, gt=0, description="Draft hidden size; None = the target's."
     )

@@ -328,8 +328,15 @@ class BestCheckpoint(Record):
 
 
 class ExportSummary(Record):
-    """What the export wrote (`export/export.json`)."""
+    """What the export wrote (`export/export.json`).
+
+    Attributes:
+        selection: how the checkpoint was chosen: `{"by": rule, "epochs": [{"epoch", "tau",
+            "val_loss"}]}`, every validated epoch's offline τ (simulated on the held-out
+            split) and validation loss; empty for runs without validation.
+    """
 
     checkpoint: str
     written: list[str]
     skipped: dict[str, str]
+    selection: dict[str, Any] = Field(default_factory=dict)

@@ -118,7 +118,7 @@ def build_draft(
         d2t=torch.from_numpy(np.asarray(d2t, dtype=np.int64)),
         verifier_name_or_path=recipe.target.path,
         trust_remote_code=recipe.target.trust_remote_code,
-        draft_vocab_size=recipe.draft.draft_vocab_size,
+        draft_vocab_size=len(d2t),
         norm_before_residual=recipe.draft.norm_before_residual,
         norm_before_fc=recipe.draft.norm_before_fc,
         fc_norm=recipe.draft.fc_norm,
@@ -140,8 +140,9 @@ def check_vocab(recipe: Recipe, tcfg: dict[str, Any], d2t: np.ndarray, t2d: np.n
             f"the draft vocabulary's t2d has length {len(t2d)} but the target vocab is "
             f"{tcfg['vocab_size']}; rerun the vocab stage for this target"
         )
+    size = recipe.draft.draft_vocab_size
     try:
-        check_d2t_t2d(d2t, t2d, recipe.draft.draft_vocab_size)
+        check_d2t_t2d(d2t, t2d, len(d2t) if size == "auto" else size)
     except ContractMismatchError as e:
         raise ContractMismatchError(f"the draft vocabulary (d2t, t2d): {e}") from e
 

@@ -77,14 +77,21 @@ def llama_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def draft_spec(
-    recipe: Recipe, tcfg: dict[str, Any], aux_ids: list[int], meta: dict[str, Any]
+    recipe: Recipe,
+    tcfg: dict[str, Any],
+    aux_ids: list[int],
+    meta: dict[str, Any],
+    draft_vocab: int,
 ) -> DraftSpec:
-    """The llama-style spec of the recipe's draft (norm flags and MLP width from `draft.*`)."""
+    """The llama-style spec of the recipe's draft (norm flags and MLP width from `draft.*`).
+
+    `draft_vocab` is the vocab stage's size (`len(d2t)`; the recipe may say 'auto').
+    """
     d = recipe.draft
     return DraftSpec.from_target_config(
         tcfg,
         aux_ids,
-        d.draft_vocab_size,
+        draft_vocab,
         verifier=recipe.target.path,
         intermediate_size=int(d.intermediate_size or tcfg["intermediate_size"]),
         norm_before_residual=d.norm_before_residual,
@@ -112,6 +119,21 @@ def write_speculators(out_dir: Path, model: Any, target_hidden: int) -> Path:
     return out_dir
 
 
+#: The checkpoint rule `services.train.trainer` applies at each epoch's end.
+SELECTION_RULE = "highest offline tau (simulated on the held-out split), then lowest val_loss"
+
+
+def selection(validations: list[dict[str, Any]]) -> dict[str, Any]:
+    """The export's record of how its checkpoint was chosen (`ExportSummary.selection`)."""
+    if not validations:
+        return {}
+    epochs = [
+        {"epoch": v["epoch"], "tau": v.get("tau"), "val_loss": v.get("val_loss")}
+        for v in validations
+    ]
+    return {"by": SELECTION_RULE, "epochs": epochs}
+
+
 def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
     """Rebuild the chosen checkpoint's draft and write the three folders and lint.json.
 
@@ -136,7 +158,7 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         "train_step": state.step,
         "best": state.best,
     }
-    spec = draft_spec(recipe, tcfg, aux_ids, meta)
+    spec = draft_spec(recipe, tcfg, aux_ids, meta, len(d2t))
     layer_weights = llama_weights(model)
     write_llama_draft(art.folder("vllm"), spec, layer_weights, d2t, t2d)
     report.written.append("vllm")
@@ -166,7 +188,12 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         )
     art.write_lint(report.lint)
     art.write_summary(
-        ExportSummary(checkpoint=folder.name, written=report.written, skipped=report.skipped)
+        ExportSummary(
+            checkpoint=folder.name,
+            written=report.written,
+            skipped=report.skipped,
+            selection=selection(state.validations),
+        )
     )
     bad = {k: v for k, v in report.lint.items() if v}
     if bad:
