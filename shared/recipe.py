@@ -204,6 +204,17 @@ class DraftConfig(Section):
     norm_output: bool = Field(
         False, description="Feed post-norm hidden states across TTT steps (EAGLE 3.1)."
     )
+    train_lm_head: bool = Field(
+        False,
+        description="Train the draft lm_head (its rows start as the target's); False = frozen, "
+        "as speculators 0.9.0 trains it.",
+    )
+    init_from_target_layer: bool = Field(
+        False,
+        description="Start the draft layer's weights whose shapes match (o_proj, MLP, layer "
+        "norms) and its final norm from the target's last layer and final norm; False = "
+        "random init.",
+    )
 
     @model_validator(mode="after")
     def _exclusive_norms(self) -> DraftConfig:
