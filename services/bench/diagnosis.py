@@ -165,7 +165,7 @@ def _tau_causes(
         causes.append(
             {
                 "cause": "draft quality, or serving that differs from training",
-                "evidence": f"served τ {served}; no offline τ recorded (train/best.json), so "
+                "evidence": f"served τ {served}; no offline τ recorded by the train stage, so "
                 "the two cannot be told apart",
             }
         )
