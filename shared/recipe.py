@@ -151,6 +151,12 @@ class RegenConfig(Section):
         description="Answers cut at max_tokens (finish_reason 'length'): 'keep' trains on the "
         "prefix, 'drop' quarantines them (counted).",
     )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Answers drawn per conversation at temperature > 0, each kept as its own "
+        "training sample of that conversation (1 at temperature 0, where draws repeat).",
+    )
     resample_attempts: int = Field(
         2,
         ge=0,

@@ -197,11 +197,18 @@ def _regen_lines(counts: dict[str, int] | None) -> list[str]:
     stopped = ", ".join(
         f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if k.startswith("stopped:") and v
     )
+    draws = ", ".join(
+        f"{k.split(':', 1)[1]} {v}"
+        for k, v in counts.items()
+        if k.startswith("draw_quarantined:") and v
+    )
+    samples = counts.get("samples", counts.get("success", 0))
     return [
         f"Regenerated data: {counts.get('input', 0)} conversations, {counts.get('success', 0)} "
-        f"kept ({counts.get('turns', 0)} answers, {counts.get('completion_tokens', 0)} tokens); "
-        f"not kept: {quarantined or 'none'}; stopped early: {stopped or 'none'}; redrawn "
-        f"answers: {counts.get('resampled', 0)}; kept answers cut at max_tokens: "
+        f"kept as {samples} samples ({counts.get('turns', 0)} answers, "
+        f"{counts.get('completion_tokens', 0)} tokens); not kept: {quarantined or 'none'}; "
+        f"extra draws not kept: {draws or 'none'}; stopped early: {stopped or 'none'}; "
+        f"redrawn answers: {counts.get('resampled', 0)}; kept answers cut at max_tokens: "
         f"{counts.get('finish_length', 0)}.",
         "",
     ]

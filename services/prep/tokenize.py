@@ -4,7 +4,8 @@ Two inputs:
 - without regeneration, the deduplicated conversations: rendered with the target's chat
   template and masked (`services.prep.template`);
 - regenerated conversations: the server's own ids. `input_ids` = last turn's
-  `prompt_token_ids` + `completion_token_ids`; mask 1 on the completion. vLLM includes the
+  `prompt_token_ids` + `completion_token_ids`; mask 1 on the completion. Each kept draw
+  of a conversation is a sample (`<id>#s<draw>` past the first draw) of that conversation. vLLM includes the
   stop token in `token_ids` when it stops on EOS; if `finish_reason == "stop"` and the
   completion does not end with the end-of-turn id, that id is appended (mask 1), counted.
   Earlier assistant turns inside the prompt get the local prefix-render mask only if the
@@ -116,8 +117,10 @@ def from_regen(
         completion.append(eot)
         counts["eot_appended"] += 1
     prompt_mask = _regen_prompt_mask(tok, rec, len(rec.turns) - 1, prompt, kwargs, counts)
+    # Several draws of one conversation share its id (the split holds them out together).
+    sid = f"{rec.id}#s{rec.sample}" if rec.sample else rec.id
     sample = TokenizedSample(
-        rec.id, rec.id, rec.source, prompt + completion, prompt_mask + [1] * len(completion)
+        sid, rec.id, rec.source, prompt + completion, prompt_mask + [1] * len(completion)
     )
     return finish(sample, max_len, counts)
 

@@ -186,11 +186,14 @@ def test_markdown_counts_the_regenerated_data():
         "completion_tokens": 55635,
         "resampled": 61,
         "finish_length": 40,
+        "samples": 570,
+        "draw_quarantined:degenerate_repetition": 10,
     }
     assert (
-        "Regenerated data: 320 conversations, 290 kept (301 answers, 55635 tokens); not kept: "
-        "degenerate_repetition 28, prompt_too_long 2; stopped early: degenerate_repetition 3; "
-        "redrawn answers: 61; kept answers cut at max_tokens: 40." in to_markdown(rep)
+        "Regenerated data: 320 conversations, 290 kept as 570 samples (301 answers, 55635 "
+        "tokens); not kept: degenerate_repetition 28, prompt_too_long 2; extra draws not kept: "
+        "degenerate_repetition 10; stopped early: degenerate_repetition 3; redrawn answers: 61; "
+        "kept answers cut at max_tokens: 40." in to_markdown(rep)
     )
 
 
