@@ -60,8 +60,11 @@ INPUT_STAGES = ["plan", "prep", "dedup", "split", "tokenize", "vocab", "extract"
 REFERENCE_TOKENS_PER_STEP = 2048
 
 
-def bench_recipe(args: argparse.Namespace) -> Any:
-    """The demo's draft and training settings on a ShareGPT sample of `args.samples` rows."""
+def bench_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -> Any:
+    """The demo's draft and training settings on a ShareGPT sample of `args.samples` rows.
+
+    `overrides` (`key.path=value`) change Eyrie's side only, e.g. `draft.train_lm_head=true`.
+    """
     from shared.recipe import resolve_recipe
 
     return resolve_recipe(
@@ -85,7 +88,8 @@ def bench_recipe(args: argparse.Namespace) -> Any:
                 "seed": 0,
             },
             "bench": {"num_speculative_tokens": 3},
-        }
+        },
+        overrides,
     )
 
 
@@ -194,6 +198,16 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="Eyrie's step size")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--val-fraction", type=float, default=0.1)
+    ap.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        help="recipe override for Eyrie's side only (repeatable), e.g. "
+        "draft.train_lm_head=true or draft.init_from_target_layer=true; the data, split and "
+        "reference side are unchanged, so runs with different overrides compare on the same "
+        "held-out samples (the data stages, draft vocabulary included, use the base recipe)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -203,10 +217,13 @@ def main() -> None:
     from shared.artifacts import RunStore
     from shared.progress import Progress
 
-    recipe = bench_recipe(args)
+    base = bench_recipe(args)
+    recipe = bench_recipe(args, args.override)
     k = recipe.bench.num_speculative_tokens
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
-        store = RunStore.create(recipe, root=Path(tmp))
+        # The input stages run under the base recipe; Eyrie's trainer reads them with its own
+        # (an override of the draft or the loop does not change the data).
+        store = RunStore.create(base, root=Path(tmp))
         t0 = time.perf_counter()
         run_stages(store, INPUT_STAGES)
         print(f"data: input stages in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -219,7 +236,7 @@ def main() -> None:
         read = SampleReader(store)
         eyrie = Trainer(recipe, store, index)
         ref, ref_model, ref_data = reference_trainer(
-            recipe, store, index.train, Path(tmp) / "reference", args.epochs
+            base, store, index.train, Path(tmp) / "reference", args.epochs
         )
         ref_per_epoch = len(ref_data.plan(0))
         spent = {"eyrie": 0.0, "reference": 0.0}
