@@ -197,6 +197,21 @@ def test_markdown_counts_the_regenerated_data():
     )
 
 
+def test_acceptance_collapsing_at_temperature_is_an_open_cause():
+    # Greedy: 1 + 31/100 accepted per step; T=0.7: 1 + 1.4/100 (the demo numbers).
+    base = {"windows": [_window(0.0, 1, 20.0), _window(0.7, 1, 20.0)]}
+    eag = {
+        "windows": [
+            _window(0.0, 1, 20.4, _ctr(100, 31, [26, 4, 1])),
+            _window(0.7, 1, 18.0, _ctr(100, 1.4, [1.4, 0, 0])),
+        ]
+    }
+    rep = build_report(base, eag, META, [PASSED_D2T])
+    (slow,) = rep["flags"]
+    sampled = [c for c in slow["open_causes"] if c["cause"].startswith("sampling")]
+    assert [c["evidence"] for c in sampled] == ["τ 1.014 at T=0.7 c=1 against 1.310 at T=0 c=1"]
+
+
 def test_good_run_has_no_flags():
     base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
     rep = build_report(base, eag, META, [])
