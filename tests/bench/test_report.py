@@ -212,6 +212,25 @@ def test_acceptance_collapsing_at_temperature_is_an_open_cause():
     assert [c["evidence"] for c in sampled] == ["τ 1.014 at T=0.7 c=1 against 1.310 at T=0 c=1"]
 
 
+def test_markdown_shows_the_draft_vocabulary_and_its_head_savings():
+    base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
+    rep = build_report(base, eag, META, [])
+    # SmolLM2: 49,152 target tokens, H = 576; a 6,000-token draft head leaves out 43,152 rows.
+    rep["vocab"] = {
+        "draft_vocab": 6000,
+        "target_vocab": 49152,
+        "assistant_tokens": 55635,
+        "head_rows_saved": 43152,
+        "head_params_saved": 43152 * 576,
+        "coverage": 0.99,
+    }
+    assert (
+        "Draft vocabulary: 6000 of 49152 target tokens, covering 0.9900 of 55635 assistant "
+        "tokens; head rows saved 43152 (24,855,552 weights, 49,711,104 FLOPs per drafted token)."
+        in to_markdown(rep)
+    )
+
+
 def test_good_run_has_no_flags():
     base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
     rep = build_report(base, eag, META, [])
