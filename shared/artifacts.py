@@ -328,9 +328,9 @@ class RegenArtifacts(_Stage):
     def write(
         self, shard: int, ok: Sequence[RegenRecord], bad: Sequence[RegenFailure]
     ) -> list[Path]:
-        """Write the shard's outputs sorted by row; returns their paths."""
+        """Write the shard's outputs sorted by row (and draw); returns their paths."""
         return [
-            write_jsonl(self.records_path(shard), sorted(ok, key=attrgetter("row"))),
+            write_jsonl(self.records_path(shard), sorted(ok, key=attrgetter("row", "sample"))),
             write_jsonl(self.errors_path(shard), sorted(bad, key=attrgetter("row"))),
         ]
 

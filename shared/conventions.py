@@ -110,22 +110,26 @@ FINAL_STATE_CONVENTION = "pre_norm"
 # -- 3. Draft vocabulary -------------------------------------------------------------------
 
 
-def select_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int) -> np.ndarray:
+def select_draft_vocab(
+    token_freq: np.ndarray, draft_vocab_size: int, pinned: Sequence[int] = ()
+) -> np.ndarray:
     """Choose the draft vocabulary from loss-masked token counts.
 
     Rule (speculators `train/vocab_mapping.py`): take the `draft_vocab_size` most frequent
     ids, ties broken by lower id; if fewer were seen, pad with the lowest unused ids; return
-    the ids sorted ascending.
+    the ids sorted ascending. Eyrie's addition: `pinned` ids (e.g. the target's special
+    tokens, which end every answer) are always in, and take places from the least frequent.
 
     Args:
         token_freq: int64 `[target_vocab]`, count of each target id over assistant tokens.
         draft_vocab_size: rows of the draft lm_head.
+        pinned: target ids always included (duplicates ignored).
 
     Returns:
         int64 `[draft_vocab_size]` target ids, ascending.
 
     Raises:
-        ConfigError: draft_vocab_size > target vocab.
+        ConfigError: draft_vocab_size > target vocab, or fewer rows than pinned ids.
     """
     freq = np.asarray(token_freq, dtype=np.int64)
     target_vocab = freq.shape[0]
@@ -134,13 +138,55 @@ def select_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int) -> np.ndar
             f"draft.draft_vocab_size: must be <= target vocab {target_vocab} "
             f"(got {draft_vocab_size})"
         )
+    pin = np.unique(np.asarray(list(pinned), dtype=np.int64))
+    if len(pin) > draft_vocab_size:
+        raise ConfigError(
+            f"draft.draft_vocab_size: {draft_vocab_size} rows cannot hold the {len(pin)} "
+            "pinned special tokens"
+        )
     # lexsort sorts by the last key first: descending count, then ascending id.
     order = np.lexsort((np.arange(target_vocab), -freq))
-    seen = order[freq[order] > 0][:draft_vocab_size]
+    order = order[~np.isin(order, pin)]
+    room = draft_vocab_size - len(pin)
+    seen = np.concatenate([pin, order[freq[order] > 0][:room]])
     if len(seen) < draft_vocab_size:
-        unused = np.setdiff1d(np.arange(target_vocab), seen, assume_unique=True)
+        unused = np.setdiff1d(np.arange(target_vocab), seen)
         seen = np.concatenate([seen, unused[: draft_vocab_size - len(seen)]])
     return np.sort(seen).astype(np.int64)
+
+
+def auto_draft_vocab_size(
+    token_freq: np.ndarray, coverage_target: float, pinned: Sequence[int] = ()
+) -> int:
+    """The smallest draft vocabulary whose ids cover `coverage_target` of the counted tokens.
+
+    The n most frequent ids (ties by lower id, as `select_draft_vocab` takes them) with n the
+    least such that their counts sum to >= `coverage_target` of all counts, plus the pinned
+    ids not among them (so `select_draft_vocab(freq, size, pinned)` reaches the target).
+
+    Args:
+        token_freq: int64 `[target_vocab]` counts.
+        coverage_target: share in (0, 1].
+        pinned: ids always included.
+
+    Returns:
+        The size, >= 1 and <= target vocab.
+
+    Raises:
+        ConfigError: no token was counted.
+    """
+    freq = np.asarray(token_freq, dtype=np.int64)
+    total = int(freq.sum())
+    if total == 0:
+        raise ConfigError("draft.draft_vocab_size auto: no assistant token was counted")
+    pin = np.unique(np.asarray(list(pinned), dtype=np.int64))
+    order = np.lexsort((np.arange(freq.shape[0]), -freq))
+    order = order[~np.isin(order, pin)]
+    pinned_count = int(freq[pin].sum()) if len(pin) else 0
+    need = coverage_target * total - pinned_count
+    cum = np.cumsum(freq[order])
+    n = int(np.searchsorted(cum, need - 1e-9 * total)) + 1 if need > 0 else 0
+    return max(1, min(freq.shape[0], n + len(pin)))
 
 
 def build_d2t_t2d(selected_ids: Sequence[int], target_vocab: int) -> tuple[np.ndarray, np.ndarray]:

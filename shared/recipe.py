@@ -17,7 +17,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -217,6 +217,12 @@ class RegenConfig(Section):
         description="Answers cut at max_tokens (finish_reason 'length'): 'keep' trains on the "
         "prefix, 'drop' quarantines them (counted).",
     )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Answers drawn per conversation at temperature > 0, each kept as its own "
+        "training sample of that conversation (1 at temperature 0, where draws repeat).",
+    )
     resample_attempts: int = Field(
         2,
         ge=0,
@@ -244,7 +250,18 @@ class ExtractConfig(Section):
 class DraftConfig(Section):
     """The EAGLE-3 draft architecture (one decoder layer)."""
 
-    draft_vocab_size: int = Field(32000, gt=0, description="Rows of the draft lm_head (tokens).")
+    draft_vocab_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        32000,
+        description="Rows of the draft lm_head (tokens), or 'auto': the fewest most-frequent "
+        "assistant tokens reaching draft.vocab_coverage, special tokens always in.",
+    )
+    vocab_coverage: float = Field(
+        0.99,
+        gt=0,
+        le=1,
+        description="Share of the training split's assistant tokens an 'auto' draft "
+        "vocabulary covers.",
+    )
     hidden_size: int | None = Field(
         None, gt=0, description="Draft hidden size; None = the target's."
     )
@@ -260,6 +277,17 @@ class DraftConfig(Section):
     fc_norm: bool = Field(False, description="Per-aux-layer RMSNorm before concat and fc.")
     norm_output: bool = Field(
         False, description="Feed post-norm hidden states across TTT steps (EAGLE 3.1)."
+    )
+    train_lm_head: bool = Field(
+        False,
+        description="Train the draft lm_head (its rows start as the target's); False = frozen, "
+        "as speculators 0.9.0 trains it.",
+    )
+    init_from_target_layer: bool = Field(
+        False,
+        description="Start the draft layer's weights whose shapes match (o_proj, MLP, layer "
+        "norms) and its final norm from the target's last layer and final norm; False = "
+        "random init.",
     )
 
     @model_validator(mode="after")

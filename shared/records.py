@@ -251,6 +251,10 @@ class RegenRecord(Record):
         messages: the conversation with the k-th assistant message = the text of `turns[k]`.
         stopped: why regeneration stopped early ('' when it did not).
         resampled: answers drawn again because the regen answer policy rejected a draw.
+        sample: which of the conversation's `regen.samples_per_prompt` draws this is (its
+            tokenized id gets `#s<sample>` when > 0; all draws share the conversation id).
+        failed_draws: on a conversation's first kept draw, why each of its other draws was
+            not kept (quarantine reasons; counted in the manifest).
         sampling: the request's sampling fields; chat_template_kwargs: as sent.
         server: `{"model", "url", "fingerprint", "target"}` of the server that answered.
     """
@@ -263,6 +267,8 @@ class RegenRecord(Record):
     turns: list[RegenTurn]
     stopped: str = ""
     resampled: int = 0
+    sample: int = 0
+    failed_draws: list[str] = Field(default_factory=list)
     sampling: dict[str, Any]
     chat_template_kwargs: dict[str, Any]
     server: dict[str, str]
@@ -349,8 +355,15 @@ class BestCheckpoint(Record):
 
 
 class ExportSummary(Record):
-    """What the export wrote (`export/export.json`)."""
+    """What the export wrote (`export/export.json`).
+
+    Attributes:
+        selection: how the checkpoint was chosen: `{"by": rule, "epochs": [{"epoch", "tau",
+            "val_loss"}]}`, every validated epoch's offline τ (simulated on the held-out
+            split) and validation loss; empty for runs without validation.
+    """
 
     checkpoint: str
     written: list[str]
     skipped: dict[str, str]
+    selection: dict[str, Any] = Field(default_factory=dict)

@@ -12,7 +12,7 @@ pass are listed as checked, those that fail as confirmed. Of the rest, a flag li
 causes a measurement points at, each with that measurement: the offline τ of the exported
 checkpoint on the held-out split (is the draft itself weak, or does serving differ from
 training?), the cost of a drafted token and the k it recommends (`services.bench.kchoice`),
-and the speedup's fall with concurrency.
+the speedup's fall with concurrency, and acceptance at T > 0 against T = 0.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ CHECKS = ("mode", "layer ids", "norm flags", "d2t", "verifier")
 
 #: τ below this at a cell makes low acceptance a cause of a slowdown there.
 LOW_ACCEPT_TAU = 1.5
+
+#: A cell at T > 0 keeping less than this share of the T = 0 accepted tokens per step (same
+#: concurrency) flags sampling acceptance as collapsed.
+SAMPLED_SHARE = 0.5
 
 
 def _check(name: str, problems: list[str], passed: str) -> dict[str, Any]:
@@ -230,6 +234,30 @@ def _slow_causes(
             {
                 "cause": "low acceptance: too few drafted tokens are kept to pay for drafting",
                 "evidence": f"{cell}: τ {r['tau']:.3f}, per-position acceptance {_rates(r)}{off}",
+            }
+        )
+    greedy = next(
+        (
+            x
+            for x in rows
+            if x["temperature"] == 0 and x["concurrency"] == r["concurrency"] and x["tau"]
+        ),
+        None,
+    )
+    if (
+        r["temperature"] > 0
+        and greedy is not None
+        and r["tau"] is not None
+        and r["tau"] - 1 < SAMPLED_SHARE * (greedy["tau"] - 1)
+    ):
+        causes.append(
+            {
+                "cause": "sampling: acceptance collapses at temperature > 0 (vLLM proposes "
+                "draft tokens by argmax, so sampling should lose only part of the greedy "
+                "acceptance; scripts/repro_sampling_acceptance.py tells the draft-vocabulary "
+                "mapping from the sampler)",
+                "evidence": f"τ {r['tau']:.3f} at {cell} against {greedy['tau']:.3f} at "
+                f"{_cell(greedy)}",
             }
         )
     same_t = [x for x in rows if x["temperature"] == r["temperature"] and x["speedup"]]

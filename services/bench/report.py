@@ -9,8 +9,9 @@ temperature (every concurrency's deltas summed) is kept for the acceptance plot.
 report.json layout: `{"run_id", "target", "k", "prompt_set", "num_prompts", "max_tokens",
 "rows": [Row], "tau": {"<T>": pooled τ}, "acceptance_rate": {"<T>": r},
 "per_position_rate": {"<T>": [k floats]}, "checks": [Check], "offline": {"tau", "epoch"} |
-None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None}` (regen: the regen
-manifests' counts summed, added by the report stage) (Check: `diagnosis.export_checks`; Plan:
+None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None, "vocab": {count: n} |
+None}` (regen: the regen manifests' counts summed; vocab: the vocab manifest's counts and
+coverage; both added by the report stage) (Check: `diagnosis.export_checks`; Plan:
 `kchoice.k_plan`, one per row with counters; Flag: `diagnosis.flags_for`).
 """
 
@@ -168,6 +169,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
         ]
     lines += _k_lines(report) + _regen_lines(report.get("regen"))
+    lines += _vocab_lines(report.get("vocab"))
     checks = report.get("checks") or []
     if checks:
         lines.append(
@@ -197,12 +199,36 @@ def _regen_lines(counts: dict[str, int] | None) -> list[str]:
     stopped = ", ".join(
         f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if k.startswith("stopped:") and v
     )
+    draws = ", ".join(
+        f"{k.split(':', 1)[1]} {v}"
+        for k, v in counts.items()
+        if k.startswith("draw_quarantined:") and v
+    )
+    samples = counts.get("samples", counts.get("success", 0))
     return [
         f"Regenerated data: {counts.get('input', 0)} conversations, {counts.get('success', 0)} "
-        f"kept ({counts.get('turns', 0)} answers, {counts.get('completion_tokens', 0)} tokens); "
-        f"not kept: {quarantined or 'none'}; stopped early: {stopped or 'none'}; redrawn "
-        f"answers: {counts.get('resampled', 0)}; kept answers cut at max_tokens: "
+        f"kept as {samples} samples ({counts.get('turns', 0)} answers, "
+        f"{counts.get('completion_tokens', 0)} tokens); not kept: {quarantined or 'none'}; "
+        f"extra draws not kept: {draws or 'none'}; stopped early: {stopped or 'none'}; "
+        f"redrawn answers: {counts.get('resampled', 0)}; kept answers cut at max_tokens: "
         f"{counts.get('finish_length', 0)}.",
+        "",
+    ]
+
+
+def _vocab_lines(counts: dict[str, Any] | None) -> list[str]:
+    """One line on the draft vocabulary: size, coverage, head rows and weights saved."""
+    if not counts or "draft_vocab" not in counts:
+        return []
+    cov = counts.get("coverage")
+    saved = counts.get("head_params_saved")
+    return [
+        f"Draft vocabulary: {counts['draft_vocab']} of {counts.get('target_vocab', '?')} target "
+        f"tokens, covering {'-' if cov is None else format(cov, '.4f')} of "
+        f"{counts.get('assistant_tokens', '?')} assistant tokens; head rows saved "
+        f"{counts.get('head_rows_saved', '-')}"
+        + ("" if saved is None else f" ({saved:,} weights, {2 * saved:,} FLOPs per drafted token)")
+        + ".",
         "",
     ]
 

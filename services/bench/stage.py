@@ -163,6 +163,15 @@ def regen_counts(store: RunStore) -> dict[str, int] | None:
     return dict(sorted(total.items()))
 
 
+def vocab_counts(store: RunStore) -> dict[str, Any] | None:
+    """The vocab manifest's sizes, head savings and coverage; None without a vocab stage."""
+    manifests = store.manifests("vocab")
+    if not manifests:
+        return None
+    m = manifests[0]
+    return {**m.counts, "coverage": m.extra.get("coverage")}
+
+
 @stage("report", queue="bench", timeout_s=HOUR_S, after=("bench",))
 def report_stage(ctx: StageContext) -> ShardResult:
     """Combine both bench shards into the report folder.
@@ -183,6 +192,7 @@ def report_stage(ctx: StageContext) -> ShardResult:
         offline_tau(store),
     )
     report["regen"] = regen_counts(store)
+    report["vocab"] = vocab_counts(store)
     files = [
         atomic_write_json(art.json_path, report),
         atomic_write_bytes(art.markdown_path, to_markdown(report).encode()),

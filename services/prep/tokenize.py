@@ -4,7 +4,8 @@ Two inputs:
 - without regeneration, the deduplicated conversations: rendered with the target's chat
   template and masked (`services.prep.template`);
 - regenerated conversations: the server's own ids. `input_ids` = last turn's
-  `prompt_token_ids` + `completion_token_ids`; mask 1 on the completion. vLLM includes the
+  `prompt_token_ids` + `completion_token_ids`; mask 1 on the completion. Each kept draw
+  of a conversation is a sample (`<id>#s<draw>` past the first draw). vLLM includes the
   stop token in `token_ids` when it stops on one; a completion ending with any of the
   target's stop ids (generation config + tokenizer + template end-of-turn: Llama-3.1's
   `<|eom_id|>` as much as `<|eot_id|>`) is kept as is, nothing appended after it; only a
@@ -222,6 +223,8 @@ def from_regen(
     stops = stops | ({eot} if eot is not None else set())
     last = rec.turns[-1]
     prompt = [int(x) for x in last.prompt_token_ids]
+    # Several draws of one conversation share its id (the split holds them out together).
+    sid = f"{rec.id}#s{rec.sample}" if rec.sample else rec.id
     completion = _completion(last, eot, stops, counts)
     bad = server_round_trip(rec.turns)
     out = []
@@ -232,7 +235,7 @@ def from_regen(
             p = [int(x) for x in turn.prompt_token_ids]
             c = _completion(turn, eot, stops, counts)
             sample = TokenizedSample(
-                f"{rec.id}#{j}", rec.id, rec.source, p + c, [0] * len(p) + [1] * len(c)
+                f"{sid}#{j}", rec.id, rec.source, p + c, [0] * len(p) + [1] * len(c)
             )
             try:
                 out.append(finish(sample, max_len, counts))
@@ -242,7 +245,7 @@ def from_regen(
     else:
         prompt_mask = _regen_prompt_mask(tok, rec, len(rec.turns) - 1, prompt, kwargs, counts)
     sample = TokenizedSample(
-        rec.id, rec.id, rec.source, prompt + completion, prompt_mask + [1] * len(completion)
+        sid, rec.id, rec.source, prompt + completion, prompt_mask + [1] * len(completion)
     )
     return [finish(sample, max_len, counts), *out]
 

@@ -6,7 +6,10 @@ selects the draft vocabulary and writes `vocab/` (`shared.artifacts.VocabArtifac
 
 Invariants: the selection, the d2t/t2d construction and the checks are `shared.conventions`
 (§3): top `draft_vocab_size` by count, ties by lower id, padded with the lowest unused ids,
-ascending; d2t holds offsets. Nothing here re-implements them. Only loss-masked tokens are
+ascending; d2t holds offsets. `draft.draft_vocab_size: auto` takes the fewest ids reaching
+`draft.vocab_coverage` with the tokenizer's special ids pinned
+(`shared.conventions.auto_draft_vocab_size`); the manifest counts the head rows and weights
+saved against a full-vocabulary head. Nothing here re-implements them. Only loss-masked tokens are
 counted: the draft predicts assistant tokens.
 """
 
@@ -18,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from shared.artifacts import RunStore
-from shared.conventions import build_d2t_t2d, check_d2t_t2d, coverage, select_draft_vocab
+from shared.conventions import (
+    auto_draft_vocab_size,
+    build_d2t_t2d,
+    check_d2t_t2d,
+    coverage,
+    select_draft_vocab,
+)
 from shared.errors import ArtifactError
 from shared.records import Coverage, LeftOutToken
 from shared.stage import HOUR_S, ShardResult, StageContext, stage
@@ -122,12 +131,19 @@ def vocab_stage(ctx: StageContext) -> ShardResult:
         ContractMismatchError: d2t/t2d break an invariant (a bug, never user input).
     """
     recipe = ctx.recipe
-    target_vocab = int(target_config(recipe)["vocab_size"])
-    draft_vocab = recipe.draft.draft_vocab_size
+    tcfg = target_config(recipe)
+    target_vocab = int(tcfg["vocab_size"])
     freq = count_tokens(ctx.store, target_vocab)
-    d2t, t2d = build_d2t_t2d(select_draft_vocab(freq, draft_vocab).tolist(), target_vocab)
+    tok = load_tokenizer(recipe)
+    pinned: list[int] = []
+    if recipe.draft.draft_vocab_size == "auto":
+        pinned = sorted(i for i in set(tok.all_special_ids) if 0 <= i < target_vocab)
+        draft_vocab = auto_draft_vocab_size(freq, recipe.draft.vocab_coverage, pinned)
+    else:
+        draft_vocab = recipe.draft.draft_vocab_size
+    d2t, t2d = build_d2t_t2d(select_draft_vocab(freq, draft_vocab, pinned).tolist(), target_vocab)
     check_d2t_t2d(d2t, t2d, draft_vocab)
-    report = coverage_report(freq, t2d, load_tokenizer(recipe))
+    report = coverage_report(freq, t2d, tok)
     log.info(
         "draft vocab %d of %d covers %.4f of %d assistant tokens",
         draft_vocab,
@@ -142,5 +158,10 @@ def vocab_stage(ctx: StageContext) -> ShardResult:
         "target_vocab": target_vocab,
         "draft_vocab": draft_vocab,
         "covered_tokens": report.assistant_tokens - report.left_out_tokens,
+        "pinned_special_tokens": len(pinned),
+        # The draft head is [draft_vocab, H]: each row left out saves H weights and 2H
+        # FLOPs per drafted token against a full-vocabulary head.
+        "head_rows_saved": target_vocab - draft_vocab,
+        "head_params_saved": (target_vocab - draft_vocab) * int(tcfg["hidden_size"]),
     }
     return ShardResult(counts, files, {"coverage": report.coverage})

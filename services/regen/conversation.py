@@ -33,6 +33,9 @@ from shared.records import Conversation, Message, RegenTurn
 #: Outcome statuses; the job's accounting is success + error + skipped == input.
 SUCCESS, ERROR, SKIPPED = "success", "error", "skipped"
 
+#: Skip reasons every draw of a row would repeat (no second draw is made).
+DETERMINISTIC = ("no_user_turn", "prompt_too_long", "tool_calls")
+
 
 @dataclass
 class Outcome:
@@ -126,6 +129,22 @@ class Regenerator:
             if answerable and len(out.turns) < self.max_turns:
                 await self._answer(history, tools, out)
         return self._finish(out, history)
+
+    async def run_samples(self, row: Conversation, n: int) -> list[Outcome]:
+        """`n` independent regenerations of `row`, in draw order.
+
+        A row the first draw skips for a reason no other draw can change (no user turn, a
+        prompt too long, tool calls first) is not drawn again.
+
+        Raises:
+            ServiceUnavailableError: the server is down (from the client).
+        """
+        outs = [await self.run(row)]
+        if outs[0].status != SUCCESS and outs[0].reason in DETERMINISTIC:
+            return outs
+        for _ in range(n - 1):
+            outs.append(await self.run(row))
+        return outs
 
     async def _answer(self, history: list[dict], tools: list | None, out: Outcome) -> bool:
         """Append the server's answer to `history` and `out`; False when it cannot."""

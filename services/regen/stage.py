@@ -10,7 +10,9 @@ Invariants:
   last line;
 - the server being down is not a row error: when retries are spent the job fails without a
   manifest, and its rerun resumes;
-- accounting in the manifest: success + error + skipped == input.
+- accounting in the manifest: success + error + skipped == input (rows); with
+  `regen.samples_per_prompt` > 1 a row may give several records (`sample` = draw index,
+  counted in `samples`), written and fsynced together.
 """
 
 from __future__ import annotations
@@ -42,10 +44,16 @@ class RowWriter:
         self.err: IO[str] = open(err_path, "a")
 
     def write(self, record: RegenRecord | RegenFailure) -> None:
-        f = self.ok if isinstance(record, RegenRecord) else self.err
-        f.write(record.model_dump_json(exclude_none=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        self.write_all([record])
+
+    def write_all(self, records: list[RegenRecord | RegenFailure]) -> None:
+        """Append one row's records, then fsync (a torn last line is dropped on resume)."""
+        for record in records:
+            f = self.ok if isinstance(record, RegenRecord) else self.err
+            f.write(record.model_dump_json(exclude_none=True) + "\n")
+        for f in (self.ok, self.err):
+            f.flush()
+            os.fsync(f.fileno())
 
     def close(self) -> None:
         self.ok.close()
@@ -53,9 +61,15 @@ class RowWriter:
 
 
 def success_record(
-    idx: int, row: Conversation, out: Outcome, recipe: Recipe, client: ChatClient
+    idx: int,
+    row: Conversation,
+    out: Outcome,
+    recipe: Recipe,
+    client: ChatClient,
+    sample: int = 0,
+    failed_draws: list[str] | None = None,
 ) -> RegenRecord:
-    """The `regen/shard-N.jsonl` record of a regenerated row."""
+    """The `regen/shard-N.jsonl` record of one kept draw of a regenerated row."""
     first = out.results[0]
     return RegenRecord(
         row=idx,
@@ -66,6 +80,8 @@ def success_record(
         turns=out.turns,
         stopped=out.reason,
         resampled=out.resampled,
+        sample=sample,
+        failed_draws=failed_draws or [],
         sampling=client.sampling,
         chat_template_kwargs=client.kwargs,
         server={
@@ -134,15 +150,34 @@ def max_prompt_tokens(recipe: Recipe) -> int:
     return recipe.regen.max_prompt_tokens or recipe.prep.max_len_tokens // 2
 
 
+def row_records(
+    idx: int, row: Conversation, outs: list[Outcome], recipe: Recipe, client: ChatClient
+) -> list[RegenRecord | RegenFailure]:
+    """The records of one row's draws: one per kept draw, or the first draw's failure.
+
+    Draws that failed while another was kept are listed (reasons) on the first kept record.
+    """
+    kept = [(k, o) for k, o in enumerate(outs) if o.status == SUCCESS]
+    if not kept:
+        return [error_record(idx, row, outs[0])]
+    failed = [o.reason for o in outs if o.status != SUCCESS]
+    return [
+        success_record(idx, row, o, recipe, client, k, failed if i == 0 else None)
+        for i, (k, o) in enumerate(kept)
+    ]
+
+
 async def regenerate_rows(
     todo: list[tuple[int, Conversation]],
     regen: Regenerator,
-    on_done: Callable[[int, Conversation, Outcome], None],
+    on_done: Callable[[int, Conversation, list[Outcome]], None],
     concurrency: int,
+    samples: int = 1,
 ) -> None:
     """Run `regen` over `todo` with at most `concurrency` conversations in flight.
 
-    `on_done(idx, row, outcome)` is called once per row, in completion order.
+    `on_done(idx, row, outcomes)` is called once per row (its `samples` draws, or one when
+    the first draw's skip would repeat), in completion order.
 
     Raises:
         ServiceUnavailableError: the server is down; the other requests are cancelled.
@@ -151,7 +186,7 @@ async def regenerate_rows(
 
     async def one(idx: int, row: Conversation) -> None:
         async with sem:
-            on_done(idx, row, await regen.run(row))
+            on_done(idx, row, await regen.run_samples(row, samples))
 
     try:
         async with asyncio.TaskGroup() as tg:
@@ -163,7 +198,9 @@ async def regenerate_rows(
 
 def _count(counts: Counter, rec: RegenRecord | RegenFailure) -> None:
     if isinstance(rec, RegenRecord):
-        counts[SUCCESS] += 1
+        counts["samples"] += 1
+        for reason in rec.failed_draws:
+            counts[f"draw_quarantined:{reason}"] += 1
         counts["turns"] += len(rec.turns)
         for t in rec.turns:
             counts["prompt_tokens"] += len(t.prompt_token_ids)
@@ -178,7 +215,9 @@ def _count(counts: Counter, rec: RegenRecord | RegenFailure) -> None:
 
 
 def accounting(shard: int, n_input: int, ok: list[RegenRecord], bad: list[RegenFailure]) -> Counter:
-    """The manifest counts; success + error + skipped must equal the input.
+    """The manifest counts; success + error + skipped must equal the input (in rows).
+
+    `success` counts rows with at least one kept draw, `samples` the kept draws.
 
     Raises:
         ArtifactError: a row lost or doubled.
@@ -187,8 +226,16 @@ def accounting(shard: int, n_input: int, ok: list[RegenRecord], bad: list[RegenF
     records: list[RegenRecord | RegenFailure] = [*ok, *bad]
     for rec in records:
         _count(counts, rec)
-    rows = [r.row for r in records]
-    if len(set(rows)) != len(rows) or counts[SUCCESS] + counts[ERROR] + counts[SKIPPED] != n_input:
+    ok_rows = {r.row for r in ok}
+    counts[SUCCESS] = len(ok_rows)
+    draws = [(r.row, r.sample) for r in ok]
+    bad_rows = [r.row for r in bad]
+    doubled = (
+        len(set(draws)) != len(draws)
+        or len(set(bad_rows)) != len(bad_rows)
+        or bool(ok_rows & set(bad_rows))
+    )
+    if doubled or counts[SUCCESS] + counts[ERROR] + counts[SKIPPED] != n_input:
         raise ArtifactError(
             f"regen shard {shard}: accounting broken: success {counts[SUCCESS]} + error "
             f"{counts[ERROR]} + skipped {counts[SKIPPED]} != input {n_input} (or a row is "
@@ -230,6 +277,8 @@ def regen_stage(ctx: StageContext) -> ShardResult:
     todo = [(i, row) for i, row in rows if i not in done]
     client = make_client(recipe, ctx.server_url("baseline"))
     policy, attempts = answer_policy(recipe)
+    # Draws at temperature 0 repeat each other: one per conversation.
+    samples = recipe.regen.samples_per_prompt if recipe.regen.temperature > 0 else 1
     regen = Regenerator(
         client,
         prompt_counter(recipe),
@@ -240,20 +289,17 @@ def regen_stage(ctx: StageContext) -> ShardResult:
     )
     writer = RowWriter(art.partial_path(shard), art.partial_errors_path(shard))
 
-    def on_done(idx: int, row: Conversation, outcome: Outcome) -> None:
-        if outcome.status == SUCCESS:
-            rec: RegenRecord | RegenFailure = success_record(idx, row, outcome, recipe, client)
-            ok.append(rec)  # type: ignore[arg-type]
-        else:
-            rec = error_record(idx, row, outcome)
-            bad.append(rec)  # type: ignore[arg-type]
-        writer.write(rec)
+    def on_done(idx: int, row: Conversation, outcomes: list[Outcome]) -> None:
+        recs = row_records(idx, row, outcomes, recipe, client)
+        for rec in recs:
+            (ok if isinstance(rec, RegenRecord) else bad).append(rec)  # type: ignore[arg-type]
+        writer.write_all(recs)
         bar.update(1, ok=len(ok), bad=len(bad))
 
     with ctx.progress(len(rows), "rows") as bar:
         bar.update(len(done))
         try:
-            asyncio.run(_run(todo, regen, on_done, recipe.regen.concurrency, client))
+            asyncio.run(_run(todo, regen, on_done, recipe.regen.concurrency, client, samples))
         finally:
             writer.close()
     counts = accounting(shard, len(rows), ok, bad)
@@ -264,8 +310,10 @@ def regen_stage(ctx: StageContext) -> ShardResult:
     return ShardResult(dict(counts), files)
 
 
-async def _run(todo, regen: Regenerator, on_done, concurrency: int, client: ChatClient) -> None:
+async def _run(
+    todo, regen: Regenerator, on_done, concurrency: int, client: ChatClient, samples: int
+) -> None:
     try:
-        await regenerate_rows(todo, regen, on_done, concurrency)
+        await regenerate_rows(todo, regen, on_done, concurrency, samples)
     finally:
         await client.aclose()

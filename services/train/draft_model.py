@@ -113,13 +113,13 @@ def build_draft(
     aux_ids = resolve_aux_layer_ids(recipe.layers, int(tcfg["num_hidden_layers"]))
     check_vocab(recipe, tcfg, d2t, t2d)
     layer_cfg = draft_layer_config(recipe, tcfg)
-    return Eagle3DraftModel.from_training_args(
+    model = Eagle3DraftModel.from_training_args(
         layer_cfg,
         t2d=torch.from_numpy(np.asarray(t2d, dtype=bool)),
         d2t=torch.from_numpy(np.asarray(d2t, dtype=np.int64)),
         verifier_name_or_path=recipe.target.path,
         trust_remote_code=recipe.target.trust_remote_code,
-        draft_vocab_size=recipe.draft.draft_vocab_size,
+        draft_vocab_size=len(d2t),
         norm_before_residual=recipe.draft.norm_before_residual,
         norm_before_fc=recipe.draft.norm_before_fc,
         fc_norm=recipe.draft.fc_norm,
@@ -128,6 +128,55 @@ def build_draft(
         target_layer_ids=aux_ids,
         draft_attn_impl=attention_impl(device),
     )
+    if recipe.draft.train_lm_head:
+        model.lm_head.weight.requires_grad_(True)
+    if recipe.draft.init_from_target_layer:
+        init_from_target_layer(model, recipe.target.path, int(tcfg["num_hidden_layers"]))
+    return model
+
+
+#: Draft weight → the target weight it starts from (`{last}` = the target's last layer),
+#: used when the shapes match. q/k/v read concat(embedding, hidden) (2H inputs) and fc is the
+#: EAGLE-3 projection, so they have no target counterpart.
+TARGET_INIT = {
+    "layers.0.self_attn.o_proj.weight": "model.layers.{last}.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight": "model.layers.{last}.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight": "model.layers.{last}.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight": "model.layers.{last}.mlp.down_proj.weight",
+    "layers.0.input_layernorm.weight": "model.layers.{last}.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight": (
+        "model.layers.{last}.post_attention_layernorm.weight"
+    ),
+    "norm.weight": "model.norm.weight",
+}
+
+
+def init_from_target_layer(model: torch.nn.Module, target: str, num_layers: int) -> list[str]:
+    """Copy the target's last-layer weights into the draft where the shapes match.
+
+    Args:
+        model: a fresh draft (`build_draft`).
+        target: the target folder or hub id.
+        num_layers: the target's decoder layer count N (the last layer is N-1).
+
+    Returns:
+        the draft weight names copied (a `TARGET_INIT` key is skipped when its shape differs,
+        e.g. a narrower `draft.intermediate_size`).
+    """
+    import torch
+    from speculators.utils.loading import load_model_layers
+
+    names = {k: v.format(last=num_layers - 1) for k, v in TARGET_INIT.items()}
+    found = load_model_layers(list(names.values()), target)
+    params = dict(model.named_parameters())
+    copied = []
+    with torch.no_grad():
+        for mine, theirs in names.items():
+            src = found.get(theirs)
+            if src is not None and tuple(src.shape) == tuple(params[mine].shape):
+                params[mine].copy_(src.to(params[mine].dtype))
+                copied.append(mine)
+    return copied
 
 
 def check_vocab(recipe: Recipe, tcfg: dict[str, Any], d2t: np.ndarray, t2d: np.ndarray) -> None:
@@ -141,8 +190,9 @@ def check_vocab(recipe: Recipe, tcfg: dict[str, Any], d2t: np.ndarray, t2d: np.n
             f"the draft vocabulary's t2d has length {len(t2d)} but the target vocab is "
             f"{tcfg['vocab_size']}; rerun the vocab stage for this target"
         )
+    size = recipe.draft.draft_vocab_size
     try:
-        check_d2t_t2d(d2t, t2d, recipe.draft.draft_vocab_size)
+        check_d2t_t2d(d2t, t2d, len(d2t) if size == "auto" else size)
     except ContractMismatchError as e:
         raise ContractMismatchError(f"the draft vocabulary (d2t, t2d): {e}") from e
 

@@ -125,6 +125,21 @@ def write_speculators(out_dir: Path, model: Any, target_hidden: int) -> Path:
     return out_dir
 
 
+#: The checkpoint rule `services.train.trainer` applies at each epoch's end.
+SELECTION_RULE = "highest offline tau (simulated on the held-out split), then lowest val_loss"
+
+
+def selection(validations: list[dict[str, Any]]) -> dict[str, Any]:
+    """The export's record of how its checkpoint was chosen (`ExportSummary.selection`)."""
+    if not validations:
+        return {}
+    epochs = [
+        {"epoch": v["epoch"], "tau": v.get("tau"), "val_loss": v.get("val_loss")}
+        for v in validations
+    ]
+    return {"by": SELECTION_RULE, "epochs": epochs}
+
+
 def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
     """Rebuild the chosen checkpoint's draft and write the three folders and lint.json.
 
@@ -187,7 +202,12 @@ def export_all(store: RunStore, recipe: Recipe) -> ExportReport:
         report.lint[name] += engine or []
     art.write_lint(report.lint)
     art.write_summary(
-        ExportSummary(checkpoint=folder.name, written=report.written, skipped=report.skipped)
+        ExportSummary(
+            checkpoint=folder.name,
+            written=report.written,
+            skipped=report.skipped,
+            selection=selection(state.validations),
+        )
     )
     bad = {k: v for k, v in report.lint.items() if v}
     if bad:

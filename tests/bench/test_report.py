@@ -186,11 +186,48 @@ def test_markdown_counts_the_regenerated_data():
         "completion_tokens": 55635,
         "resampled": 61,
         "finish_length": 40,
+        "samples": 570,
+        "draw_quarantined:degenerate_repetition": 10,
     }
     assert (
-        "Regenerated data: 320 conversations, 290 kept (301 answers, 55635 tokens); not kept: "
-        "degenerate_repetition 28, prompt_too_long 2; stopped early: degenerate_repetition 3; "
-        "redrawn answers: 61; kept answers cut at max_tokens: 40." in to_markdown(rep)
+        "Regenerated data: 320 conversations, 290 kept as 570 samples (301 answers, 55635 "
+        "tokens); not kept: degenerate_repetition 28, prompt_too_long 2; extra draws not kept: "
+        "degenerate_repetition 10; stopped early: degenerate_repetition 3; redrawn answers: 61; "
+        "kept answers cut at max_tokens: 40." in to_markdown(rep)
+    )
+
+
+def test_acceptance_collapsing_at_temperature_is_an_open_cause():
+    # Greedy: 1 + 31/100 accepted per step; T=0.7: 1 + 1.4/100 (the demo numbers).
+    base = {"windows": [_window(0.0, 1, 20.0), _window(0.7, 1, 20.0)]}
+    eag = {
+        "windows": [
+            _window(0.0, 1, 20.4, _ctr(100, 31, [26, 4, 1])),
+            _window(0.7, 1, 18.0, _ctr(100, 1.4, [1.4, 0, 0])),
+        ]
+    }
+    rep = build_report(base, eag, META, [PASSED_D2T])
+    (slow,) = rep["flags"]
+    sampled = [c for c in slow["open_causes"] if c["cause"].startswith("sampling")]
+    assert [c["evidence"] for c in sampled] == ["τ 1.014 at T=0.7 c=1 against 1.310 at T=0 c=1"]
+
+
+def test_markdown_shows_the_draft_vocabulary_and_its_head_savings():
+    base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
+    rep = build_report(base, eag, META, [])
+    # SmolLM2: 49,152 target tokens, H = 576; a 6,000-token draft head leaves out 43,152 rows.
+    rep["vocab"] = {
+        "draft_vocab": 6000,
+        "target_vocab": 49152,
+        "assistant_tokens": 55635,
+        "head_rows_saved": 43152,
+        "head_params_saved": 43152 * 576,
+        "coverage": 0.99,
+    }
+    assert (
+        "Draft vocabulary: 6000 of 49152 target tokens, covering 0.9900 of 55635 assistant "
+        "tokens; head rows saved 43152 (24,855,552 weights, 49,711,104 FLOPs per drafted token)."
+        in to_markdown(rep)
     )
 
 

@@ -112,3 +112,76 @@ def test_stage_quarantines_loops_resamples_and_counts(serve, smollm2_path, tmp_p
     assert set(kept) == {"loops once", "fine"}
     assert kept["loops once"].resampled == 1 and kept["fine"].resampled == 0
     assert kept["loops once"].turns[0].completion_token_ids == ok["completion_token_ids"]
+
+
+def test_several_draws_per_prompt_are_kept_as_samples_of_one_conversation(
+    serve,  # noqa: F811
+    smollm2_path,
+    tmp_path,
+):
+    from tests.conftest import run_stage
+    from tests.regen.realdata import store_with_dedup
+
+    answers = _answers()
+    loop = next(a for a in answers if a["label"] == "loop")
+    oks = [a for a in answers if a["label"] == "ok" and a["finish_reason"] == "stop"]
+    draws: dict[str, int] = {}
+
+    def script(n, body):
+        prompt = body["messages"][-1]["content"]
+        draws[prompt] = draws.get(prompt, 0) + 1
+        d = draws[prompt]
+        looping = prompt == "always loops" or (prompt == "loops twice" and d <= 2)
+        a = loop if looping else oks[d % len(oks)]
+        reply = vllm_body(a["text"], ids=a["completion_token_ids"])
+        reply["choices"][0]["finish_reason"] = a["finish_reason"]
+        return 200, {}, reply
+
+    srv = serve(script)
+    prompts = ["fine", "loops twice", "always loops"]
+    rows = [
+        {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "x"}]}
+        for p in prompts
+    ]
+    recipe = {
+        "name": "regen-samples",
+        "target": {"path": str(smollm2_path)},
+        "datasets": [{"path": "replaced.jsonl"}],
+        "regen": {
+            "max_retries": 1,
+            "request_timeout_s": 10,
+            "max_turns": 1,
+            "samples_per_prompt": 3,
+            "resample_attempts": 0,
+        },
+        "serve": {"served_model_name": "m"},
+    }
+    store, _ = store_with_dedup(recipe, tmp_path / "data", [{**r, "tools": None} for r in rows])
+    order = [c.messages[0].content for c in store.dedup.conversations(0)]
+    (m,) = run_stage(store, "regen", urls={"baseline": srv.url})
+    assert draws == {"fine": 3, "loops twice": 3, "always loops": 3}
+    # Rows: 2 with a kept draw, 1 quarantined; draws kept: 3 + 1.
+    assert (m.counts["input"], m.counts["success"], m.counts["skipped"]) == (3, 2, 1)
+    assert m.counts["samples"] == 4
+    assert m.counts[f"draw_quarantined:{DEGENERATE}"] == 2
+    assert m.counts[f"skipped:{DEGENERATE}"] == 1
+    kept = [(order[r.row], r.sample, r.failed_draws) for r in store.regen.records(0)]
+    assert sorted(kept) == sorted(
+        [
+            ("fine", 0, []),
+            ("fine", 1, []),
+            ("fine", 2, []),
+            ("loops twice", 2, [DEGENERATE, DEGENERATE]),
+        ]
+    )
+    # Tokenized: one sample per kept draw, all of a conversation under its id.
+    run_stage(store, "tokenize")
+    ds = store.tokenize.dataset(0)
+    by_conv: dict[str, list[str]] = {}
+    for sid, cid in zip(ds["id"], ds["conversation_id"], strict=True):
+        by_conv.setdefault(cid, []).append(sid)
+    ids = {c.messages[0].content: c.id for c in store.dedup.conversations(0)}
+    fine, twice = ids["fine"], ids["loops twice"]
+    assert sorted(by_conv) == sorted([fine, twice])
+    assert sorted(by_conv[fine]) == sorted([fine, f"{fine}#s1", f"{fine}#s2"])
+    assert by_conv[twice] == [f"{twice}#s2"]

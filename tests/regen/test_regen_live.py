@@ -42,7 +42,15 @@ def tok(smollm2_path):
 
 def _recipe_dict(server, **regen):
     d = server.recipe_dict()
-    d["regen"] = {"temperature": 0.7, "max_retries": 2, "request_timeout_s": 120, **regen}
+    # The answer checks (loops, length cuts) are off: these tests count every other outcome
+    # exactly; tests/regen/test_quality.py covers the checks.
+    d["regen"] = {
+        "temperature": 0.7,
+        "max_retries": 2,
+        "request_timeout_s": 120,
+        "max_repeat_share": None,
+        **regen,
+    }
     return d
 
 

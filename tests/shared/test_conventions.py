@@ -78,6 +78,29 @@ def test_select_vocab_pads_with_lowest_unused():
     assert c.select_draft_vocab(freq, 4).tolist() == [0, 1, 4, 8]
 
 
+def test_select_vocab_pins_ids_ahead_of_counts():
+    freq = np.array([3, 0, 3, 4, 0, 3, 0, 5, 0, 0], dtype=np.int64)
+    # Pinned 1 (never counted) takes a row; the other 3 rows go to 7 (5), 3 (4), then the
+    # tie at 3 between 0, 2 and 5: the lowest id, 0.
+    assert c.select_draft_vocab(freq, 4, pinned=[1, 1]).tolist() == [0, 1, 3, 7]
+    with pytest.raises(ConfigError, match="cannot hold the 3 pinned"):
+        c.select_draft_vocab(freq, 2, pinned=[0, 1, 2])
+
+
+def test_auto_vocab_size_is_the_fewest_ids_reaching_the_coverage():
+    freq = np.array([3, 0, 3, 4, 0, 3, 0, 5, 0, 0], dtype=np.int64)  # 18 tokens
+    # By count: 7 (5), 3 (4), then 0, 2, 5 (3 each). 50% = 9 tokens: 7 and 3 reach it.
+    assert c.auto_draft_vocab_size(freq, 0.5) == 2
+    assert c.auto_draft_vocab_size(freq, 0.51) == 3  # 9.18 tokens: a third id is needed
+    assert c.auto_draft_vocab_size(freq, 1.0) == 5  # every seen id
+    # Pinned 0, 1, 2 cover 6 tokens; 9 - 6 = 3 more: 7 alone (5). 3 pinned + 1.
+    assert c.auto_draft_vocab_size(freq, 0.5, [0, 1, 2]) == 4
+    # 90% = 16.2 tokens: pinned 6, then 7, 3, 5 (5 + 4 + 3 = 12 -> 18). 3 pinned + 3.
+    assert c.auto_draft_vocab_size(freq, 0.9, [0, 1, 2]) == 6
+    with pytest.raises(ConfigError, match="no assistant token"):
+        c.auto_draft_vocab_size(np.zeros(4, dtype=np.int64), 0.9)
+
+
 def test_select_vocab_too_large():
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         c.select_draft_vocab(np.ones(5, dtype=np.int64), 6)

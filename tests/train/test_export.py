@@ -52,6 +52,12 @@ def test_export_writes_three_linted_folders(exported_run, smollm2_path):
     assert summary["checkpoint"] == f"epoch-{best['epoch']:04d}"
     assert sorted(summary["written"]) == ["sglang", "speculators", "vllm"]
     assert summary["skipped"] == {}
+    # ...and every epoch's offline tau it was chosen by: the chosen one has the highest.
+    validations = json.loads(exported_run.train.best_path.read_text())["validations"]
+    epochs = summary["selection"]["epochs"]
+    assert [(e["epoch"], e["tau"]) for e in epochs] == [(v["epoch"], v["tau"]) for v in validations]
+    top = max(epochs, key=lambda e: (e["tau"], -e["val_loss"]))
+    assert summary["checkpoint"] == f"epoch-{top['epoch']:04d}"
 
 
 def test_exported_weights_are_the_checkpoint_and_the_target_rows(exported_run, smollm2_path):

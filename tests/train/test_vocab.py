@@ -36,14 +36,14 @@ def vocab10_target(tmp_path, smollm2_path):
     return d
 
 
-def _store(data_dir, target, draft_vocab, shards=2, val_ids=()):
+def _store(data_dir, target, draft_vocab, shards=2, val_ids=(), **draft):
     """A run of `shards` tokenized shards (written by each test) holding out `val_ids`."""
     recipe = resolve_recipe(
         {
             "name": "vocab-test",
             "target": {"path": str(target)},
             "datasets": [{"preset": "sharegpt-v3-wheel"}],
-            "draft": {"draft_vocab_size": draft_vocab},
+            "draft": {"draft_vocab_size": draft_vocab, **draft},
         }
     )
     store = RunStore.create(recipe)
@@ -134,3 +134,35 @@ def test_id_outside_target_vocab_names_shard_row_and_field(data_dir, vocab10_tar
     with pytest.raises(ArtifactError, match=r"shard-00000 row 1 field input_ids: id 12"):
         _vocab(store)
     assert not store.is_done("vocab")
+
+
+@pytest.mark.parametrize(
+    ("coverage", "ids", "covered"),
+    [
+        # Pinned special ids 0, 1, 2 (SmolLM2's tokenizer) cover 6 of 18 tokens.
+        # 50%: 9 tokens, 3 more needed: 7 (5). 90%: 16.2, 10.2 more: 7, 3, 5 (12).
+        (0.5, [0, 1, 2, 7], 11),
+        (0.9, [0, 1, 2, 3, 5, 7], 18),
+    ],
+)
+def test_auto_vocab_reaches_the_coverage_with_special_tokens_pinned(
+    data_dir, vocab10_target, coverage, ids, covered
+):
+    store = _store(data_dir, vocab10_target, "auto", shards=1, vocab_coverage=coverage)
+    write_tokenized_shard(
+        store,
+        0,
+        [
+            _row([9] * 50 + [7, 7, 7, 3, 3, 0], [0] * 50 + [1] * 6, "a"),
+            _row([7, 7, 3, 3, 0, 0], [1] * 6, "b"),
+            _row([2, 2, 2, 5, 5, 5], [1] * 6, "c"),
+        ],
+    )
+    m = _vocab(store)
+    out = store.vocab.dir
+    assert np.nonzero(np.load(out / "t2d.npy"))[0].tolist() == ids
+    cov = json.loads((out / "coverage.json").read_text())
+    assert cov["coverage"] == pytest.approx(covered / 18)
+    assert m.counts["draft_vocab"] == len(ids) and m.counts["pinned_special_tokens"] == 3
+    assert m.counts["head_rows_saved"] == 10 - len(ids)
+    assert m.counts["head_params_saved"] == (10 - len(ids)) * 576
