@@ -295,4 +295,7 @@ def _save(path: str, states: torch.Tensor, token_ids: torch.Tensor) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file({"hidden_states": states.contiguous(), "token_ids": token_ids.clone()}, tmp)
+    # Readable by the extract worker (another uid in the compose deployment), which renames
+    # or removes it: that needs write access to the folder only, which the worker owns.
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)

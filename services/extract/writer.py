@@ -159,7 +159,8 @@ class StateWriter:
         final = self.path_of(row)
         if file is not None and states.dtype == self.dtype:
             # Written once by the backend, in this folder: checked, now moved into place.
-            share_modes(file)
+            if file.stat().st_uid == os.getuid():  # else the server's uid set its modes
+                share_modes(file)
             size = file.stat().st_size
             os.replace(file, final)
             self._count(states, size)
