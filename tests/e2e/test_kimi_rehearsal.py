@@ -121,6 +121,7 @@ def test_regen_and_extract_on_the_mla_target(rehearsal):
 
 def test_trained_draft_maps_kimi_vocab_and_exports(rehearsal):
     from shared.draft import lint_draft_dir
+    from shared.target import target_config
 
     recipe, store = rehearsal
     d2t, t2d = store.vocab.read_maps()
@@ -129,7 +130,9 @@ def test_trained_draft_maps_kimi_vocab_and_exports(rehearsal):
     assert train.counts["steps"] >= 1 and train.counts["train_samples"] > 0
     assert train.extra["memory"]["micro_tokens"] == 512
     folder = store.export.vllm_draft
-    assert lint_draft_dir(folder) == []
+    tcfg = target_config(recipe)
+    assert tcfg["model_type"] == "kimi_k2" and tcfg["hidden_size"] == 256  # the text model
+    assert lint_draft_dir(folder, tcfg, expect_aux_ids=[1, 3, 4]) == []
 
 
 def test_offline_tau_of_the_exported_checkpoint(rehearsal):
