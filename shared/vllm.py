@@ -156,7 +156,11 @@ def kv_transfer_config(hs_dir: Path | str) -> dict[str, Any]:
         "kv_connector": EXTRACT_CONNECTOR_CLASS,
         "kv_connector_module_path": EXTRACT_CONNECTOR_MODULE,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(hs_dir)},
+        # output_root: the run's extract folder; a request may name a file in its shards.
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(hs_dir),
+            "output_root": str(Path(hs_dir).parent),
+        },
     }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from shared.conventions import AUX_ID_CONVENTION, FINAL_STATE_CONVENTION
@@ -26,10 +27,26 @@ class SampleStates:
     Attributes:
         states: `[seq_len, 3+1, H]` tensor: aux states in id order, then the pre-norm final.
         token_ids: the token ids the backend ran, `[seq_len]` (list or 1-D tensor).
+        file: where the backend already wrote exactly these states and token ids (a staging
+            name next to the final file), or None; the writer then renames instead of
+            writing again.
     """
 
     states: Any
     token_ids: Sequence[int] | Any
+    file: Path | None = None
+
+
+class RowTokens(list):
+    """One row's token ids (a list), with the file its states should end up in.
+
+    A backend that can write straight to disk (vLLM extract mode) writes a staging file next
+    to `dest`; others ignore `dest` and return the states.
+    """
+
+    def __init__(self, ids: Sequence[int], dest: Path | None = None):
+        super().__init__(ids)
+        self.dest = dest
 
 
 class Extractor(Protocol):

@@ -10,12 +10,24 @@ through `--kv-transfer-config`) and writes synchronously on whatever device the 
 Protocol (the same client contract as vLLM's example, so speculators' client works too):
 - a `/v1/completions` request with the prompt as token ids and `max_tokens: 1` gets
   `kv_transfer_params.hidden_states_path` in its response;
-- the file at that path is complete when the response arrives: it is written (temp file,
-  then rename) before the request is reported finished to the scheduler;
+- the request may name the file itself with `kv_transfer_params.eyrie_hidden_states_path`
+  (an absolute path under `output_root`, e.g. a staging name in the extract shard's own
+  folder, so the sample is written once, where it stays); anything else gets
+  `<shared_storage_path>/<request id>.safetensors`;
+- the file appears complete (temp file, then rename), possibly after the response: the
+  client waits for it; the request's KV blocks are kept until the file is written;
 - it holds `hidden_states` `[prompt_len, n_layers, H]` (the layers of
   `eagle_aux_hidden_state_layer_ids`, in order) and `token_ids` int64 `[prompt_len]`.
 
-Extra config (`kv_connector_extra_config`): `shared_storage_path` (folder of the files).
+Writes happen off the model step: the worker copies a finished request's states out of the
+cache (one gather) and a writer thread saves the file; the request is reported finished
+(its blocks freed) in a later step, once its file is in place. Under tensor parallelism
+every rank holds the same states; only tensor-parallel rank 0 writes and reports
+(`get_finished_count` is 1), so each sample is written once.
+
+Extra config (`kv_connector_extra_config`): `shared_storage_path` (folder of the default
+files), `output_root` (the only tree a request may name; default the parent of
+`shared_storage_path`, the run's extract folder).
 
 This module is imported by vLLM's engine process only; nothing else in Eyrie imports it.
 """
@@ -23,6 +35,7 @@ This module is imported by vLLM's engine process only; nothing else in Eyrie imp
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -125,12 +138,19 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 "shared_storage_path (shared.vllm.kv_transfer_config passes the run's folder)"
             )
         self.storage = storage
+        self.output_root = os.path.realpath(
+            (kv.get_from_extra_config("output_root", None) if kv else None)
+            or os.path.dirname(storage)
+        )
         # scheduler side
         self.paths: dict[str, str] = {}
         self.to_write: list[PendingWrite] = []
         # worker side
         self.cache: torch.Tensor | None = None
         self.metadata: HiddenStatesMetadata | None = None
+        self.writes_here = role != KVConnectorRole.WORKER or _tp_rank() == 0
+        self.pool: ThreadPoolExecutor | None = None
+        self.in_flight: dict[str, Future] = {}
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -166,33 +186,40 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         """The forward already put the states in the cache; they are copied at finish."""
 
     def wait_for_save(self) -> None:
-        """Writes are synchronous (in `get_finished`): nothing is in flight."""
+        """Files are written by the writer thread; `get_finished` reports them."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Write this step's finished requests, then report them done sending."""
-        done: set[str] = set()
-        if self.metadata is not None:
+        """Start this step's writes; report the requests whose files are in place.
+
+        Raises:
+            the writer thread's error (disk full, permissions), on the next step.
+        """
+        if self.metadata is not None and self.writes_here:
             for w in self.metadata.writes:
-                self._write(w)
-                done.add(w.req_id)
-        # The file is complete before the scheduler learns the request is done, so the
-        # client may read it as soon as the response arrives (no lock file needed).
+                self._start(w)
+        done = {rid for rid, f in self.in_flight.items() if f.done()}
+        for rid in done:
+            self.in_flight.pop(rid).result()
         return done or None, None
 
     def get_finished_count(self) -> int:
-        """One notification per request: only one worker writes (no TP on CPU)."""
+        """One notification per request: only tensor-parallel rank 0 writes and reports."""
         return 1
 
-    def _write(self, w: PendingWrite) -> None:
-        from safetensors.torch import save_file
+    def shutdown(self) -> None:
+        """Finish the writes in flight."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
+    def _start(self, w: PendingWrite) -> None:
         if self.cache is None:
             raise RuntimeError("EyrieHiddenStatesConnector: KV caches were never registered")
-        states = gather_states(self.cache, w.block_ids, int(w.token_ids.shape[0])).cpu()
-        os.makedirs(os.path.dirname(w.path), exist_ok=True)
-        tmp = f"{w.path}.tmp-{os.getpid()}"
-        save_file({"hidden_states": states, "token_ids": w.token_ids.clone()}, tmp)
-        os.replace(tmp, w.path)
+        # Copied out now: once reported, the blocks are freed and may be overwritten.
+        states = gather_states(self.cache, w.block_ids, int(w.token_ids.shape[0]))
+        states = states.to("cpu", non_blocking=False)
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyrie-hs")
+        self.in_flight[w.req_id] = self.pool.submit(_save, w.path, states, w.token_ids)
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -221,9 +248,21 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         path = self.paths.pop(request.request_id, None)
         if path is None or request.prompt_token_ids is None:
             return False, None
+        path = self._requested_path(request) or path
         token_ids = torch.tensor(list(request.prompt_token_ids), dtype=torch.long)
         self.to_write.append(PendingWrite(request.request_id, path, token_ids, list(block_ids)))
         return True, {"hidden_states_path": path}
+
+    def _requested_path(self, request: Request) -> str | None:
+        """The request's own destination, if it names one under `output_root`."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        want = params.get("eyrie_hidden_states_path")
+        if not isinstance(want, str) or not os.path.isabs(want):
+            return None
+        real = os.path.realpath(want)
+        if os.path.commonpath([real, self.output_root]) != self.output_root:
+            return None
+        return real
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -237,3 +276,26 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """Keep a token's states together: `[blocks, layers, block_size, H]` (vLLM "LBNHC")."""
         return "LBNHC"
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 when no parallel group is set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError, ImportError):
+        return 0
+
+
+def _save(path: str, states: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Write one sample's file atomically (temp name, then rename)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({"hidden_states": states.contiguous(), "token_ids": token_ids.clone()}, tmp)
+    # Readable by the extract worker (another uid in the compose deployment), which renames
+    # or removes it: that needs write access to the folder only, which the worker owns.
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from services.extract.backend import Extractor
+from services.extract.backend import Extractor, RowTokens
 from services.extract.batching import run_batches
 from services.extract.writer import StateWriter, WriteResult
 from shared.conventions import NUM_AUX_LAYERS
@@ -26,7 +26,7 @@ from shared.errors import ConfigError, StageFailedError
 from shared.recipe import Recipe
 from shared.records import ExtractMeta
 from shared.stage import HOUR_S, PER_PLAN_SHARD, ShardResult, StageContext, stage
-from shared.store import check_free_space
+from shared.store import check_free_space, make_dirs
 from shared.target import target_config
 
 log = logging.getLogger("eyrie.extract")
@@ -165,13 +165,16 @@ def _extract_rows(
     writer = StateWriter(
         lambda row: art.hs_path(shard, row), NUM_SLOTS, getattr(torch, ctx.recipe.extract.dtype)
     )
-    samples = [input_ids[r] for r in todo]
+    # Made here, as the worker's user: the vLLM server writes its staging files into it.
+    make_dirs(art.hs_dir(shard))
+    # Each row carries its final file, so a backend that writes to disk writes it there.
+    samples = [RowTokens(input_ids[r], art.hs_path(shard, r)) for r in todo]
     done_rows: list[int] = []
     with ctx.progress(sum(len(s) for s in samples), "tok") as progress:
 
         def on_result(i: int, out: Any) -> None:
             row = todo[i]
-            writer.submit(row, ids[row], out.states, out.token_ids, input_ids[row])
+            writer.submit(row, ids[row], out.states, out.token_ids, input_ids[row], out.file)
             done_rows.append(row)
             progress.update(len(samples[i]), rows=len(done_rows))
 

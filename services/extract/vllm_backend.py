@@ -3,8 +3,12 @@
 The server (started by the conductor in mode "extract" during the extract GPU phase, with
 the flags of `shared.vllm`) runs vLLM's `extract_hidden_states` speculative method with aux
 ids `[a, b, c, N]` and Eyrie's KV connector (`services.extract.connector`). For each sample
-this client sends `/v1/completions` with the prompt as token ids and `max_tokens: 1`, reads
-the safetensors file named by `kv_transfer_params.hidden_states_path`, and deletes it.
+this client sends `/v1/completions` with the prompt as token ids and `max_tokens: 1`.
+A row that names its destination (`services.extract.backend.RowTokens.dest`) asks the
+connector to write a staging file next to it (`kv_transfer_params.eyrie_hidden_states_path`),
+so the states are written once, in the shard's folder; the writer checks and renames it.
+Otherwise the client reads the file named by `kv_transfer_params.hidden_states_path` and
+deletes it.
 
 Invariants: the 4 slots are the 3 aux ids (residual entering layer i, vLLM's reading) and id
 N, which vLLM captures before the final norm, i.e. the same layout as the hf backend. The
@@ -22,6 +26,7 @@ from services.extract.backend import SampleStates, base_metadata
 from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ContractMismatchError, ServiceUnavailableError
 from shared.recipe import Recipe
+from shared.store import TEMP_PREFIX
 from shared.target import target_config
 from shared.vllm import auth_headers, served_model_name
 
@@ -83,12 +88,16 @@ class VLLMExtractor:
         import httpx
         from safetensors.torch import load_file
 
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": [int(t) for t in ids],
             "max_tokens": 1,
             "temperature": 0.0,
         }
+        dest = getattr(ids, "dest", None)
+        staging = staging_path(Path(dest)) if dest is not None else None
+        if staging is not None:
+            body["kv_transfer_params"] = {"eyrie_hidden_states_path": str(staging)}
         try:
             r = httpx.post(
                 f"{self.url}/v1/completions",
@@ -109,11 +118,23 @@ class VLLMExtractor:
                 "must run with Eyrie's KV connector (services.extract.connector)"
             )
         data = load_file(self._wait_for(Path(path)))
-        Path(path).unlink(missing_ok=True)
+        in_place = staging is not None and Path(path) == staging
+        if not in_place:
+            Path(path).unlink(missing_ok=True)
         states = data["hidden_states"]
         if states.ndim != 3 or states.shape[1] != len(self.aux_ids) + 1:
+            Path(path).unlink(missing_ok=True)
             raise ContractMismatchError(
                 f"{path}: hidden_states shape {tuple(states.shape)}, expected "
                 f"[seq, {len(self.aux_ids) + 1}, H]: the server's layer ids differ"
             )
-        return SampleStates(states, data["token_ids"].tolist())
+        return SampleStates(states, data["token_ids"].tolist(), Path(path) if in_place else None)
+
+
+def staging_path(dest: Path) -> Path:
+    """Where the connector writes `dest`'s states: a temp name in the same folder.
+
+    The `.tmp-` prefix makes a leftover of a killed run invisible to readers and swept by
+    the stage's `sweep_temps`; the rename to `dest` stays within one folder.
+    """
+    return dest.parent / f"{TEMP_PREFIX}{dest.name}.vllm"

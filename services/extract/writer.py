@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.records import QuarantinedSample
-from shared.store import atomic_path
+from shared.store import atomic_path, share_modes
 
 if TYPE_CHECKING:
     import torch
@@ -102,11 +103,24 @@ class StateWriter:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="hs-writer")
         self._thread.start()
 
-    def submit(self, row: int, sample_id: str, states: Any, token_ids: Any, expected: Any) -> None:
-        """Queue one sample; raises the writer thread's error if it has failed."""
+    def submit(
+        self,
+        row: int,
+        sample_id: str,
+        states: Any,
+        token_ids: Any,
+        expected: Any,
+        file: Path | None = None,
+    ) -> None:
+        """Queue one sample; raises the writer thread's error if it has failed.
+
+        Args:
+            file: a file the backend already wrote with these states (same folder as the
+                final file): checked, then renamed into place (or removed if quarantined).
+        """
         if self._error is not None:
             raise self._error
-        self._queue.put((row, sample_id, states, token_ids, expected))
+        self._queue.put((row, sample_id, states, token_ids, expected, file))
 
     def close(self) -> WriteResult:
         """Drain the queue, stop the thread, re-raise its error. Returns the totals."""
@@ -124,22 +138,45 @@ class StateWriter:
                 except BaseException as e:  # re-raised on the caller's thread
                     self._error = e
 
-    def _write(self, row: int, sample_id: str, states: Any, token_ids: Any, expected: Any) -> None:
+    def _write(
+        self,
+        row: int,
+        sample_id: str,
+        states: Any,
+        token_ids: Any,
+        expected: Any,
+        file: Path | None = None,
+    ) -> None:
         import torch
         from safetensors.torch import save_file
 
         reason = check_sample(states, token_ids, expected, self.num_slots)
         if reason is not None:
+            if file is not None:
+                file.unlink(missing_ok=True)
             self.result.quarantined.append(QuarantinedSample(row=row, id=sample_id, reason=reason))
             return
+        final = self.path_of(row)
+        if file is not None and states.dtype == self.dtype:
+            # Written once by the backend, in this folder: checked, now moved into place.
+            if file.stat().st_uid == os.getuid():  # else the server's uid set its modes
+                share_modes(file)
+            size = file.stat().st_size
+            os.replace(file, final)
+            self._count(states, size)
+            return
+        if file is not None:
+            file.unlink(missing_ok=True)  # another dtype: rewritten below
         tensors = {
             "hidden_states": states.to(self.dtype).contiguous(),
             "token_ids": torch.as_tensor([int(t) for t in expected], dtype=torch.long),
         }
-        final = self.path_of(row)
         with atomic_path(final) as tmp:
             save_file(tensors, str(tmp))
             size = tmp.stat().st_size
+        self._count(states, size)
+
+    def _count(self, states: Any, size: int) -> None:
         self.result.written += 1
         self.result.tokens += int(states.shape[0])
         self.result.bytes += size

@@ -11,8 +11,8 @@ whole samples of at most `micro_tokens` positions, each normalized by the whole 
 trainable-position counts. `micro_tokens` is `train.micro_tokens`, or what
 `services.train.memory` fits in the device's free memory; an out-of-memory error halves it
 and retries the step (logged, kept in the checkpoint's state and the train manifest).
-Validation streams held-out samples from disk one micro-batch at a time, at most
-`train.val_max_samples` of them.
+Validation streams held-out samples from disk, one step's samples at a time (each step run
+in micro-batches), at most `train.val_max_samples` of them.
 
 Invariants:
 - every source of randomness is seeded from `train.seed` and restored on resume (init RNG,

@@ -218,3 +218,34 @@ def test_speculators_reads_the_shard_as_it_is(smollm2_path, extractor, store_for
     assert batch["input_ids"][0, : len(flat)].tolist() == flat
     docs = batch["document_ids"][0]
     assert [int((docs == i).sum()) for i in range(4)] == lengths and int((docs == -1).sum()) == 8
+
+
+def test_writer_moves_a_backend_file_into_place_or_removes_it(tmp_path):
+    """A file the backend wrote next to the final one (vLLM extract mode) is checked, then
+    renamed (same inode: not written again); a quarantined one is removed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.extract.vllm_backend import staging_path
+    from services.extract.writer import StateWriter
+
+    def final(row: int):
+        return tmp_path / f"hs_{row}.safetensors"
+
+    ids = [5, 6, 7]
+    good = torch.randn(3, 4, 8).to(torch.bfloat16)
+    bad = good.clone()
+    bad[1, 2, 3] = float("nan")
+    files = {}
+    for row, states in ((0, good), (1, bad)):
+        files[row] = staging_path(final(row))
+        save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, files[row])
+    inode = files[0].stat().st_ino
+    w = StateWriter(final, 4, torch.bfloat16)
+    w.submit(0, "a", good, ids, ids, files[0])
+    w.submit(1, "b", bad, ids, ids, files[1])
+    result = w.close()
+    assert result.written == 1 and [q.row for q in result.quarantined] == [1]
+    assert final(0).stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hs_0.safetensors"]
+    assert torch.equal(load_file(final(0))["hidden_states"], good)

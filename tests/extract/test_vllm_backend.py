@@ -23,16 +23,21 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def extract_server(tmp_path_factory, smollm2_path):
+    """The server as the conductor starts it for a run: its files under the run's extract
+    folder (`ExtractArtifacts.vllm_scratch`), so requests may name files in its shards."""
     from services.conductor.servers import ProcessBackend
+    from shared.artifacts import RunStore
     from shared.recipe import resolve_recipe
 
     root = tmp_path_factory.mktemp("vllm-extract")
     d = fixture_recipe_dict(smollm2_path, free_port(), free_port())
     d["extract"] = {"backend": "vllm", "device": "cpu"}
     recipe = resolve_recipe(d)
+    store = RunStore.create(recipe, root=root / "data")
+    hs = store.extract.vllm_scratch
     backend = ProcessBackend(root / "state")
-    handle = backend.start(recipe, "extract", root / "logs" / "extract.log", None, root / "hs")
-    yield recipe, handle, root / "hs"
+    handle = backend.start(recipe, "extract", root / "logs" / "extract.log", None, hs)
+    yield recipe, handle, hs, store
     backend.stop(handle)
 
 
@@ -44,7 +49,7 @@ def _rel(x, ref):
 def test_vllm_states_match_hf(extract_server, smollm2_path, smollm2_model, sharegpt_rows):
     from transformers import AutoModelForCausalLM
 
-    recipe, handle, hs_dir = extract_server
+    recipe, handle, hs_dir, _ = extract_server
     ex = VLLMExtractor(recipe, url=handle.url)
     assert ex.aux_ids == [2, 15, 27]
     batch = [r["input_ids"][:n] for r, n in zip(sharegpt_rows, (160, 97, 41), strict=False)]
@@ -63,20 +68,33 @@ def test_vllm_states_match_hf(extract_server, smollm2_path, smollm2_model, share
     assert list(hs_dir.glob("*.safetensors")) == []  # the client deletes what it read
 
 
-def test_extract_stage_through_vllm(extract_server, store_for, sharegpt_rows):
+def test_extract_stage_through_vllm(extract_server, sharegpt_rows, monkeypatch):
+    """The server writes each sample once, straight into the shard's folder: this process
+    (the extract worker) writes no hidden-state file, only renames the server's."""
+    import safetensors.torch
     from safetensors.torch import load_file
 
     from tests.conftest import run_stage
     from tests.extract.data import write_plan, write_tokenized_shard
 
-    recipe, handle, _ = extract_server
-    store = store_for(recipe)
+    recipe, handle, scratch, store = extract_server
     rows = sharegpt_rows[:4]
     write_plan(store, 1)
     write_tokenized_shard(store, 0, rows)
+    saves: list[str] = []
+    real_save = safetensors.torch.save_file
+    monkeypatch.setattr(
+        safetensors.torch,
+        "save_file",
+        lambda tensors, path, *a, **k: (saves.append(str(path)), real_save(tensors, path, *a, **k)),
+    )
     # The stage as a worker runs it: the vllm backend, reaching the server at the given URL.
     (m,) = run_stage(store, "extract", urls={"extract": handle.url})
     assert m.counts["written"] == 4 and m.counts["quarantined"] == 0
+    assert saves == []  # written by the server only, once
+    hs_dir = store.extract.hs_dir(0)
+    assert sorted(p.name for p in hs_dir.iterdir()) == [f"hs_{r}.safetensors" for r in range(4)]
+    assert not scratch.is_dir() or not any(scratch.iterdir())  # nothing in the scratch
     meta = json.loads(store.extract.meta_path(0).read_text())
     assert meta["backend"] == "vllm" and meta["aux_layer_ids"] == [2, 15, 27]
 

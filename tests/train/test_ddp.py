@@ -23,7 +23,7 @@ def test_train_gpus_setting(monkeypatch):
     assert train_gpus() == 1
     monkeypatch.setenv("TRAIN_GPUS", "8")
     assert train_gpus() == 8
-    assert "--nproc-per-node=8" in torchrun_command("r", 8)
+    assert "--nproc-per-node=8" in torchrun_command("/data/runs/r", 8)
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("TRAIN_GPUS", bad)
         with pytest.raises(ConfigError, match="TRAIN_GPUS"):
