@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import psutil
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -279,15 +277,13 @@ def failed_reason(conn: Redis, queue: str, run_id: str, stage: str, shard: int) 
     return f"{tail}\n  (full traceback: `rq info {RQ_CLI_FLAGS}`, job {job.id})"
 
 
-def _pid_running(pid: int) -> bool:
-    """True if `pid` runs here; a killed worker its parent has not reaped yet is a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
+    """Whether the worker that started a job is gone, judged by what it keeps in Redis.
+
+    Only rq's worker key and heartbeat count, never a pid or hostname looked up here: the
+    workers run in other containers (their own pid namespaces; under host networking all of
+    them share one hostname) and on other hosts.
+    """
     if not worker_name:
         return False
     w = Worker.find_by_key(
@@ -297,8 +293,6 @@ def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) 
     )
     if w is None:
         return True  # its key expired: it stopped heart-beating long ago
-    if w.hostname == socket.gethostname() and w.pid:
-        return not _pid_running(w.pid)  # on this host the pid is the truth, not the heartbeat
     hb = w.last_heartbeat
     return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
 
@@ -330,10 +324,11 @@ def reconcile(
 
     Runs rq's started-registry cleanup itself instead of waiting for a worker's maintenance
     pass (every 10 min by default), and also treats as abandoned any started job whose worker
-    is gone: its Redis key expired, its pid is dead on this host, or its heartbeat is older
-    than `stale_after_s`. rq's cleanup then fails or retries it; a failed abandoned job is
-    requeued here. Stages are idempotent and atomic, so a re-run beside an orphaned
-    work-horse still writes each output once.
+    is gone: its Redis key expired or its heartbeat is older than `stale_after_s` (workers
+    heart-beat every `job_monitoring_interval` while a job runs, `make_worker`). rq's
+    cleanup then fails or retries it; a failed abandoned job is requeued here. Stages are
+    idempotent and atomic, so a re-run beside an orphaned work-horse still writes each
+    output once.
 
     Returns:
         ids of the jobs re-enqueued.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import random
+import shutil
 import socket
 import subprocess
 import sys
