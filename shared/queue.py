@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -251,6 +253,44 @@ def make_worker(
     )
 
 
+def local_workers_dir() -> Path:
+    """Where `eyrie worker` records the rq names of the workers started in this container.
+
+    `$EYRIE_WORKERS_DIR`, default `<tmp>/eyrie-workers`: a container's own /tmp, so a
+    healthcheck sees exactly the workers of its container, whatever the hostname (every
+    container of a host-networked stack has the host's).
+    """
+    return Path(
+        os.environ.get("EYRIE_WORKERS_DIR") or Path(tempfile.gettempdir()) / "eyrie-workers"
+    )
+
+
+def record_local_worker(name: str) -> Path:
+    """Record worker `name` as started here (`local_workers_dir()/<name>`); returns the file."""
+    d = local_workers_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name
+    path.write_text(f"{os.getpid()}\n")
+    return path
+
+
+def local_workers_health(conn: Redis, stale_after_s: float) -> str | None:
+    """Why the workers recorded here are unhealthy, or None when each one is alive in Redis.
+
+    Alive: `worker_gone` finds nothing wrong (rq renews the key and the heartbeat while the
+    worker heart-beats, also during a job: `make_worker`).
+    """
+    d = local_workers_dir()
+    names = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    if not names:
+        return f"no worker recorded in {d}: `eyrie worker` has not started here"
+    for name in names:
+        why = worker_gone(conn, name, stale_after_s)
+        if why is not None:
+            return why
+    return None
+
+
 def failure_text(job: Job) -> str:
     """The traceback (or rq's failure note) of a failed job's latest run, or ''."""
     result = job.latest_result()
@@ -277,24 +317,28 @@ def failed_reason(conn: Redis, queue: str, run_id: str, stage: str, shard: int) 
     return f"{tail}\n  (full traceback: `rq info {RQ_CLI_FLAGS}`, job {job.id})"
 
 
-def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
-    """Whether the worker that started a job is gone, judged by what it keeps in Redis.
+def worker_gone(conn: Redis, worker_name: str, stale_after_s: float) -> str | None:
+    """Why rq worker `worker_name` is gone, or None while it lives, by what it keeps in Redis.
 
     Only rq's worker key and heartbeat count, never a pid or hostname looked up here: the
     workers run in other containers (their own pid namespaces; under host networking all of
-    them share one hostname) and on other hosts.
+    them share one hostname) and on other hosts. Gone = its key expired, it registered its
+    death (a clean exit), or its heartbeat is older than `stale_after_s`.
     """
-    if not worker_name:
-        return False
-    w = Worker.find_by_key(
-        Worker.redis_worker_namespace_prefix + worker_name,
-        connection=conn,
-        serializer=JSONSerializer,
-    )
+    key = Worker.redis_worker_namespace_prefix + worker_name
+    w = Worker.find_by_key(key, connection=conn, serializer=JSONSerializer)
     if w is None:
-        return True  # its key expired: it stopped heart-beating long ago
+        return f"worker {worker_name} is not registered in Redis (its key expired)"
+    if conn.hexists(key, "death"):
+        return f"worker {worker_name} exited"
     hb = w.last_heartbeat
-    return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
+    if hb is not None and time.time() - hb.timestamp() > stale_after_s:
+        return f"worker {worker_name}: last heartbeat {time.time() - hb.timestamp():.0f} s ago"
+    return None
+
+
+def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
+    return bool(worker_name) and worker_gone(conn, str(worker_name), stale_after_s) is not None
 
 
 def _enqueue_due_retries(q: Queue) -> list[str]:

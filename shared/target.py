@@ -12,6 +12,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 from shared.recipe import Recipe
+from shared.store import check_readable
 
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 
@@ -30,6 +31,7 @@ def target_config(recipe: Recipe) -> dict[str, Any]:
     t = recipe.target
     path = Path(t.path)
     if path.is_dir():
+        check_readable(path, "target.path")
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ConfigError(f"target.path: {path} has no config.json (not an HF model folder)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import ConfigError
+from shared.store import check_readable
 
 if TYPE_CHECKING:
     from shared.recipe import Recipe
@@ -55,6 +56,7 @@ def load_tokenizer(spec: TokenizerSpec | Recipe) -> Any:
 def _load(spec: TokenizerSpec) -> Any:
     from transformers import AutoTokenizer
 
+    check_readable(spec.path, "target.tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(
             spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code

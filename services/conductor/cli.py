@@ -63,7 +63,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from shared.queue import NON_FORKING_QUEUES, connect, make_worker
+    from shared.queue import NON_FORKING_QUEUES, connect, make_worker, record_local_worker
     from shared.stage import warm_queues
 
     conn = connect()
@@ -77,11 +77,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         job_monitoring_interval=args.monitor_interval_s,
         worker_ttl=args.worker_ttl_s,
     )
-    w.work(
-        burst=args.burst,
-        with_scheduler=not args.no_scheduler,
-        logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"),
-    )
+    # The container's healthcheck (images/worker-health.py) looks this worker up by name.
+    recorded = record_local_worker(w.name)
+    try:
+        w.work(
+            burst=args.burst,
+            with_scheduler=not args.no_scheduler,
+            logging_level=os.environ.get("EYRIE_LOG_LEVEL", "INFO"),
+        )
+    finally:
+        recorded.unlink(missing_ok=True)
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -186,12 +187,16 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _write(self, w: PendingWrite) -> None:
         from safetensors.torch import save_file
 
+        from shared.store import share_modes
+
         if self.cache is None:
             raise RuntimeError("EyrieHiddenStatesConnector: KV caches were never registered")
         states = gather_states(self.cache, w.block_ids, int(w.token_ids.shape[0])).cpu()
         os.makedirs(os.path.dirname(w.path), exist_ok=True)
         tmp = f"{w.path}.tmp-{os.getpid()}"
         save_file({"hidden_states": states, "token_ids": w.token_ids.clone()}, tmp)
+        # safetensors creates 0600 files; the extractor may run as another uid.
+        share_modes(Path(tmp))
         os.replace(tmp, w.path)
 
     # -- scheduler side ------------------------------------------------------------------

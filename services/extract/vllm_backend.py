@@ -22,6 +22,7 @@ from services.extract.backend import SampleStates, base_metadata
 from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ContractMismatchError, ServiceUnavailableError
 from shared.recipe import Recipe
+from shared.store import check_readable
 from shared.target import target_config
 from shared.vllm import auth_headers, served_model_name
 
@@ -108,7 +109,9 @@ class VLLMExtractor:
                 f"{self.url}: response has no kv_transfer_params.hidden_states_path; the server "
                 "must run with Eyrie's KV connector (services.extract.connector)"
             )
-        data = load_file(self._wait_for(Path(path)))
+        ready = self._wait_for(Path(path))
+        check_readable(ready, "extract hidden states (written by the vLLM server)")
+        data = load_file(ready)
         Path(path).unlink(missing_ok=True)
         states = data["hidden_states"]
         if states.ndim != 3 or states.shape[1] != len(self.aux_ids) + 1:
