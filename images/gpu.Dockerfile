@@ -65,8 +65,11 @@ COPY shared ./shared
 COPY services ./services
 COPY recipes ./recipes
 COPY images/worker-health.py /opt/eyrie/worker-health.py
+# The check (python -P: not from /app) imports the installed package: its package data (the
+# MT-Bench questions of dedup and bench) must have been installed with it.
 RUN pip install --no-cache-dir --no-deps -c /opt/eyrie/constraints.txt . \
- && eyrie --help > /dev/null
+ && eyrie --help > /dev/null \
+ && python -P -c "import shared.mtbench as m; assert '/site-packages/' in m.__file__, m.__file__; assert len(m.mtbench_questions()) == 80"
 
 USER 10001:10001
 CMD ["eyrie", "--help"]

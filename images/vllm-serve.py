@@ -6,12 +6,15 @@ Runs inside the official vllm/vllm-openai image, with Eyrie's `shared/`, `servic
 process backend, the docker backend and the tests, so the compose service and the servers
 the conductor starts can never drift apart. Mode-specific inputs come from the environment:
 
-  VLLM_MODE              baseline | eagle3 | extract (default baseline)
+  VLLM_MODE              baseline | eagle3 | extract | standby (default baseline)
   EYRIE_RECIPE           recipe YAML (relative paths resolve against /opt/eyrie/src)
   EYRIE_RECIPE_OVERRIDES space-separated dotted overrides, e.g. serve.tensor_parallel_size=2
   EYRIE_SERVE_DRAFT      eagle3: the exported draft folder, /data/runs/<run_id>/export/vllm
   EYRIE_SERVE_HS_DIR     extract: where hidden states are written (on the runs volume)
 
+`standby` serves nothing and loads nothing: the container `docker compose up` makes so that the
+conductor's docker backend finds the service's settings (image, user, devices, volumes,
+network) and runs each mode's server in its image. It waits for SIGTERM and reports healthy.
 Every start runs the same preflight as the conductor (`shared.vllm.preflight_launch`) on the
 final arguments first.
 The server binds 0.0.0.0 on the mode's recipe port (serve.port, serve.eagle3_port); the port
@@ -28,8 +31,9 @@ import sys
 from pathlib import Path
 
 SRC = Path(os.environ.get("EYRIE_SRC", "/opt/eyrie/src"))
-PORT_FILE = Path("/tmp/eyrie-vllm-port")
+PORT_FILE = Path(os.environ.get("EYRIE_VLLM_PORT_FILE", "/tmp/eyrie-vllm-port"))
 API_SERVER = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+STANDBY = "standby"
 
 
 def _die(msg: str) -> None:
@@ -82,7 +86,21 @@ def command() -> list[str]:
     return [*API_SERVER, *args]
 
 
+def standby() -> int:
+    """Wait for SIGTERM without loading anything (VLLM_MODE=standby)."""
+    import signal
+
+    # As PID 1 (no init in this service) SIGTERM is ignored unless handled.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    PORT_FILE.write_text(STANDBY)
+    print("vllm-serve: standby (the conductor starts each mode's server)", file=sys.stderr)
+    while True:
+        signal.pause()
+
+
 def main(argv: list[str]) -> int:
+    if os.environ.get("VLLM_MODE") == STANDBY and "--print" not in argv:
+        return standby()
     cmd = command()
     if "--print" in argv:
         print(json.dumps(cmd))

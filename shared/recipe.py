@@ -296,6 +296,13 @@ class DraftConfig(Section):
             raise ValueError("norm_before_fc and fc_norm are mutually exclusive")
         return self
 
+    def vocab_bound(self, target_vocab: int) -> int:
+        """Draft vocab rows for estimates made before the vocab stage: the stated size, or
+        for 'auto' its upper bound, the target's vocab (`target_vocab` rows).
+        """
+
+        return target_vocab if self.draft_vocab_size == "auto" else self.draft_vocab_size
+
 
 class TrainConfig(Section):
     """The training loop (training-time test)."""

@@ -178,7 +178,7 @@ def draft_param_counts(recipe: Recipe, cfg: dict[str, Any]) -> dict[str, int]:
     spec = DraftSpec.from_target_config(
         cfg,
         resolve_aux_layer_ids(recipe.layers, n),
-        recipe.draft.draft_vocab_size,
+        recipe.draft.vocab_bound(int(cfg["vocab_size"])),
         recipe.target.path,
         norm_before_fc=recipe.draft.norm_before_fc,
         fc_norm=recipe.draft.fc_norm,
@@ -219,7 +219,8 @@ def train_memory_bytes(recipe: Recipe, cfg: dict[str, Any], tokens_per_step: int
     """
     p = draft_param_counts(recipe, cfg)
     wb = DTYPE_BYTES[recipe.target.dtype]
-    h, v, d = int(cfg["hidden_size"]), int(cfg["vocab_size"]), recipe.draft.draft_vocab_size
+    h, v = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    d = recipe.draft.vocab_bound(v)
     steps = recipe.train.ttt_steps
     static = p["trainable"] * TRAIN_BYTES_PER_PARAM
     static += (p["lm_head"] + p["embed"] + p["verifier_head"]) * wb

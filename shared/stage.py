@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.artifacts import RunStore, shard_name
-from shared.errors import ArtifactError, ConfigError
+from shared.errors import ArtifactError, ConfigError, ContractMismatchError, InputError
 from shared.progress import Progress
 from shared.recipe import Recipe
 from shared.store import Manifest, sweep_temps
@@ -299,8 +299,16 @@ def execute(
     return store.write_manifest(st.name, shard, result.counts, result.files, result.extra)
 
 
+#: Errors a retry cannot fix: the job fails at once (`run_stage_job`).
+PERMANENT_ERRORS = (ConfigError, InputError, ContractMismatchError)
+
+
 def run_stage_job(run_id: str, stage: str, shard: int) -> dict[str, int]:
     """The rq job of every stage shard: `{run_id, stage, shard}` in, manifest counts out.
+
+    A permanent error (`PERMANENT_ERRORS`: a bad recipe, setting, input or contract) fails
+    the job at once: its rq retries are cancelled, since a rerun would fail the same way and
+    only delay the message.
 
     Raises:
         ConfigError: the payload does not name a run, a known stage or a shard of it.
@@ -309,16 +317,25 @@ def run_stage_job(run_id: str, stage: str, shard: int) -> dict[str, int]:
 
     from shared.queue import validate_payload
 
-    run_id, stage, shard = validate_payload(run_id, stage, shard)
-    st = get_stage(stage)
-    store = RunStore(run_id)
-    if not store.exists():
-        raise ConfigError(f"job payload: run {run_id!r} does not exist under {store.root.parent}")
-    if store.is_done(stage, shard):
-        log.info("%s[%d] of %s already done: skipping", stage, shard, run_id)
-        return {"skipped": 1}
-    manifest = execute(st, store, shard)
     job = get_current_job()
+    try:
+        run_id, stage, shard = validate_payload(run_id, stage, shard)
+        st = get_stage(stage)
+        store = RunStore(run_id)
+        if not store.exists():
+            raise ConfigError(
+                f"job payload: run {run_id!r} does not exist under {store.root.parent}"
+            )
+        if store.is_done(stage, shard):
+            log.info("%s[%d] of %s already done: skipping", stage, shard, run_id)
+            return {"skipped": 1}
+        manifest = execute(st, store, shard)
+    except PERMANENT_ERRORS:
+        if job is not None and job.retries_left:
+            # rq's worker reads this very object (rq.job's current-job context) when it
+            # decides whether to retry.
+            job.retries_left = 0
+        raise
     if st.release is not None and job is not None:
         from redis.exceptions import RedisError
 

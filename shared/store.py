@@ -68,6 +68,33 @@ def share_modes(path: Path) -> None:
         os.chmod(path, file_mode)
 
 
+def check_readable(path: Path | str, what: str) -> None:
+    """Refuse, naming owner, mode and our uid, a file (or a file in a folder) we cannot read.
+
+    Libraries report an unreadable file misleadingly (safetensors: "No such file or
+    directory"), so callers check before loading. On a shared volume the cause is a writer
+    that ran as another user and left its files private.
+
+    Raises:
+        ConfigError: `what` (e.g. `target.path`) names the setting; the message has the
+            file, its owner uid:gid and mode, and this process's uid.
+    """
+    path = Path(path)
+    files = [path] if not path.is_dir() else [path, *sorted(path.rglob("*"))]
+    for f in files:
+        if not f.exists():
+            continue
+        need = os.R_OK | (os.X_OK if f.is_dir() else 0)
+        if not os.access(f, need):
+            st = f.stat()
+            raise ConfigError(
+                f"{what}: permission denied reading {f} (owner {st.st_uid}:{st.st_gid}, mode "
+                f"{st.st_mode & 0o777:04o}; this process runs as uid {os.getuid()}). The file "
+                "exists: make it readable by every service on the volume (chmod -R a+rX), or "
+                "run the writer as the same uid"
+            )
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)

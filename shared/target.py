@@ -16,6 +16,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 from shared.recipe import Recipe, looks_local
+from shared.store import check_readable
 
 
 def target_config(recipe: Recipe) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def raw_target_config(recipe: Recipe) -> dict[str, Any]:
         if snap is not None and (snap / "config.json").is_file():
             path = snap
     if path.is_dir():
+        check_readable(path, "target.path")
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ConfigError(f"target.path: {path} has no config.json (not an HF model folder)")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import ConfigError
+from shared.store import check_readable
 
 if TYPE_CHECKING:
     from shared.recipe import Recipe
@@ -136,6 +137,7 @@ def round_trip_problem(tok: Any, raw: Any | None) -> str | None:
 def _load(spec: TokenizerSpec) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    check_readable(spec.path, "target.tokenizer")
     kwargs: dict[str, Any] = {
         "revision": spec.revision,
         "trust_remote_code": spec.trust_remote_code,

@@ -33,6 +33,7 @@ BASH_WITHOUT_HELP = {
     "docker-engine": "installs and starts a Docker engine as root at once",
     "docker-build": "builds every image at once",
     "docker-cpu": "builds and starts the compose stack at once",
+    "test-deploy": "builds every image and runs the compose stack end to end at once",
 }
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from services.conductor import demo, serve_cli
+from services.conductor import demo, serve_cli, up
 from shared.cli import (
     EXIT_BROKEN_PIPE,
     add_recipe_args,
@@ -90,7 +90,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from shared.errors import ServiceUnavailableError
-    from shared.queue import NON_FORKING_QUEUES, REDIS_DOWN, connect, make_worker
+    from shared.queue import (
+        NON_FORKING_QUEUES,
+        REDIS_DOWN,
+        connect,
+        make_worker,
+        record_local_worker,
+    )
     from shared.stage import warm_queues
 
     conn = connect()
@@ -104,6 +110,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         job_monitoring_interval=args.monitor_interval_s,
         worker_ttl=args.worker_ttl_s,
     )
+    # The container's healthcheck (images/worker-health.py) looks this worker up by name.
+    recorded = record_local_worker(w.name)
     try:
         w.work(
             burst=args.burst,
@@ -112,6 +120,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
     except REDIS_DOWN as e:  # rq's teardown talks to Redis too
         raise ServiceUnavailableError(w.gave_up or f"worker {w.name}: lost Redis ({e})") from e
+    finally:
+        recorded.unlink(missing_ok=True)
     if w.gave_up:  # rq's loop logged the error and returned; the exit code must say so
         raise ServiceUnavailableError(w.gave_up)
     return 0
@@ -219,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.register(sub)
     demo.register(sub)
+    up.register(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         ep.load()(sub)
     return parser

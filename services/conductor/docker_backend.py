@@ -1,18 +1,23 @@
-"""The docker backend: the official vLLM image, swapped in for the compose `vllm` container.
+"""The docker backend: a vLLM container made in the image of the compose `vllm` service.
 
 It finds the compose-made `vllm` container by its compose labels, stops it (it holds the
-GPUs while it runs), and runs the official image with `shared.vllm.vllm_args` (binding
-0.0.0.0), the same volumes, environment and network, the mode's port published as compose
-published it, all GPUs and host IPC. On the compose network the new container answers at
-the mode's alias (`shared.vllm.DOCKER_HOSTS`). Needs the Docker socket, which compose mounts
-into the conductor only. `container_spec` is a pure function, so the container it would
-create is testable where no engine runs.
+GPUs while it runs), and runs a container with `shared.vllm.vllm_args` (binding 0.0.0.0)
+that copies what the compose service says: its image, user, volumes, environment, device
+requests (GPUs only where the service reserves them: none in the CPU profile) and network.
+On a compose network the new container answers at the mode's alias
+(`shared.vllm.DOCKER_HOSTS`) and its port is published as compose published it; with host
+networking it gets neither (Docker refuses port bindings there). Its log is copied into the
+run store (`serve/<mode>.log`) while it starts and before it is removed, so a failed start
+says why. Needs the Docker socket, which compose mounts into the conductor only.
+`container_spec` is a pure function, so the container it would create is testable where no
+engine runs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,8 @@ COMPOSE_PROJECT_LABEL = "com.docker.compose.project"
 #: The entrypoint is set explicitly so both backends run the same module with the same args
 #: (the image's own entrypoint has changed across releases).
 DOCKER_ENTRYPOINT = ["python3", "-m", API_SERVER_MODULE]
+#: Seconds between copies of a starting container's log into the run store.
+LOG_SYNC_S = 5.0
 
 
 @dataclass
@@ -39,8 +46,16 @@ class ComposeTemplate:
         name: its container name; project: its compose project.
         volumes: docker-py `volumes` dict (host path or volume name → bind spec).
         environment: its env list (`KEY=VALUE`), minus image defaults we override.
-        network: the compose network, so other services keep reaching `vllm`.
+        network: the compose network, so other services keep reaching `vllm`; `host` for
+            host networking.
         port_bindings: its `HostConfig.PortBindings` (`"8000/tcp"` → [{HostIp, HostPort}]).
+        image: its image (`Config.Image`): the official vLLM image on a GPU node, the
+            project's vllm-cpu image in the CPU profile; '' when unknown.
+        user: its `user` (`Config.User`, e.g. `10001:10001`): the workers' uid, so what vLLM
+            writes on the shared volume (hidden states in extract mode) is theirs; '' = the
+            image's default.
+        device_requests: its `HostConfig.DeviceRequests` (compose's `deploy.resources.
+            reservations.devices`), Docker API JSON; empty = no GPUs.
     """
 
     name: str
@@ -49,6 +64,9 @@ class ComposeTemplate:
     environment: list[str]
     network: str | None
     port_bindings: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    image: str = ""
+    user: str = ""
+    device_requests: list[dict[str, Any]] = field(default_factory=list)
 
 
 def compose_template(attrs: dict[str, Any]) -> ComposeTemplate:
@@ -57,15 +75,23 @@ def compose_template(attrs: dict[str, Any]) -> ComposeTemplate:
         m.get("Name") or m["Source"]: {"bind": m["Destination"], "mode": m.get("Mode") or "rw"}
         for m in attrs.get("Mounts", [])
     }
-    labels = attrs.get("Config", {}).get("Labels") or {}
+    config = attrs.get("Config") or {}
+    host_config = attrs.get("HostConfig") or {}
+    labels = config.get("Labels") or {}
     networks = list((attrs.get("NetworkSettings") or {}).get("Networks") or {})
+    network = networks[0] if networks else None
+    if host_config.get("NetworkMode") == "host":
+        network = "host"
     return ComposeTemplate(
         name=attrs.get("Name", "").lstrip("/"),
         project=labels.get(COMPOSE_PROJECT_LABEL, "eyrie"),
         volumes=volumes,
-        environment=list(attrs.get("Config", {}).get("Env") or []),
-        network=networks[0] if networks else None,
-        port_bindings=dict((attrs.get("HostConfig") or {}).get("PortBindings") or {}),
+        environment=list(config.get("Env") or []),
+        network=network,
+        port_bindings=dict(host_config.get("PortBindings") or {}),
+        image=config.get("Image") or "",
+        user=config.get("User") or "",
+        device_requests=list(host_config.get("DeviceRequests") or []),
     )
 
 
@@ -84,31 +110,43 @@ def container_spec(
 ) -> dict[str, Any]:
     """The docker-py `containers.run` kwargs for `mode`'s server.
 
-    The official image, all GPUs, the compose container's volumes, env and network, the
-    mode's port published as the compose container published it, host IPC (vLLM's
-    shared-memory workers).
+    The compose container's image (else `serve.image`), user, volumes, env, device requests
+    and network; host IPC (vLLM's shared-memory workers). On a compose network: the mode's
+    alias, and its port published as the compose container published it. With host
+    networking: neither (the server binds the host's port itself).
     """
     from docker.types import DeviceRequest
 
     port = vllm.mode_port(recipe, mode)
-    env = [e for e in tpl.environment if not e.startswith(("HF_HUB_OFFLINE=", "VLLM_NO_USAGE"))]
-    env += ["HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1"]
+    overridden = ("HF_HUB_OFFLINE=", "VLLM_NO_USAGE", "VLLM_CPU_KVCACHE_SPACE=")
+    env = [e for e in tpl.environment if not e.startswith(overridden)]
+    # VLLM_CPU_KVCACHE_SPACE: vllm-cpu would take 92 % of RAM without it; GPU vLLM ignores it.
+    env += [
+        "HF_HUB_OFFLINE=1",
+        "VLLM_NO_USAGE_STATS=1",
+        f"VLLM_CPU_KVCACHE_SPACE={recipe.serve.cpu_kvcache_space_gib}",
+    ]
     spec: dict[str, Any] = {
-        "image": recipe.serve.image,
+        "image": tpl.image or recipe.serve.image,
         "entrypoint": DOCKER_ENTRYPOINT,
         "command": vllm.vllm_args(recipe, mode, draft_dir, port, hs_dir, host="0.0.0.0"),
         "name": f"{tpl.project}-vllm-{mode}",
         "detach": True,
-        "device_requests": [DeviceRequest(count=-1, capabilities=[["gpu"]])],
+        "device_requests": [DeviceRequest(**d) for d in tpl.device_requests],
         "volumes": tpl.volumes,
         "environment": env,
-        "ports": {f"{port}/tcp": host_binding(tpl, port)},
         "ipc_mode": "host",
         "labels": {"eyrie.managed": "true", "eyrie.mode": mode, COMPOSE_PROJECT_LABEL: tpl.project},
     }
-    if tpl.network:
-        spec["network"] = tpl.network
-        spec["networking_config"] = {tpl.network: {"Aliases": [vllm.DOCKER_HOSTS[mode]]}}
+    if tpl.user:
+        spec["user"] = tpl.user
+    if tpl.network == "host":
+        spec["network_mode"] = "host"
+    else:
+        spec["ports"] = {f"{port}/tcp": host_binding(tpl, port)}
+        if tpl.network:
+            spec["network"] = tpl.network
+            spec["networking_config"] = {tpl.network: {"Aliases": [vllm.DOCKER_HOSTS[mode]]}}
     return spec
 
 
@@ -120,6 +158,7 @@ class DockerBackend(Backend):
     def __init__(self, state_dir: Path | None = None, client: Any = None):
         super().__init__(state_dir)
         self._client = client
+        self._log_saved_at: dict[str, float] = {}
 
     @property
     def client(self) -> Any:
@@ -171,6 +210,14 @@ class DockerBackend(Backend):
         spec = container_spec(recipe, mode, tpl, draft_dir, hs_dir)
         self._remove_stale(spec["name"])
         networking = spec.pop("networking_config", None)
+        # The container's output goes after this header; earlier starts of the same mode
+        # in the run stay above it (the process backend appends the same way).
+        with open(log_path, "ab") as logf:
+            logf.write(
+                f"\n=== {time.strftime('%F %T')} start {mode} in {spec['image']}: "
+                f"{spec['command']}\n".encode()
+            )
+            offset = logf.tell()
         container = self.client.containers.run(**spec)
         if networking:
             # run() joins `network` without aliases; reconnect with the compose alias.
@@ -183,6 +230,8 @@ class DockerBackend(Backend):
             model=vllm.served_model_name(recipe),
             backend=self.name,
             container=container.id,
+            log_path=str(log_path),
+            log_offset=offset,
         )
 
     def _remove_stale(self, name: str) -> None:
@@ -194,6 +243,28 @@ class DockerBackend(Backend):
             return
         old.remove(force=True)
 
+    def save_log(self, handle: ServerHandle, container: Any = None) -> None:
+        """Copy the container's whole output into `handle.log_path`, after its start header.
+
+        The container's log dies with the container; this copy in the run store
+        (`serve/<mode>.log`) is what readiness errors quote and what stays after a run.
+        """
+        if not handle.log_path:
+            return
+        import docker
+
+        try:
+            c = container or self.client.containers.get(handle.container)
+            text = c.logs(stdout=True, stderr=True)
+        except docker.errors.APIError as e:  # NotFound included: nothing left to copy
+            log.debug("no log from container %s: %s", handle.container, e)
+            return
+        with open(handle.log_path, "r+b" if Path(handle.log_path).exists() else "wb") as f:
+            f.seek(handle.log_offset)
+            f.write(text)
+            f.truncate()
+        self._log_saved_at[handle.container or ""] = time.monotonic()
+
     def alive(self, handle: ServerHandle) -> bool:
         import docker
 
@@ -201,7 +272,13 @@ class DockerBackend(Backend):
             c = self.client.containers.get(handle.container)
         except docker.errors.NotFound:
             return False
-        return c.status in ("created", "running", "restarting")
+        running = c.status in ("created", "running", "restarting")
+        # While it starts, the log in the run store follows the container every few
+        # seconds (wait_ready quotes its tail on a timeout); once it exited, at once.
+        last = self._log_saved_at.get(handle.container or "", 0.0)
+        if not running or time.monotonic() - last > LOG_SYNC_S:
+            self.save_log(handle, c)
+        return running
 
     def _kill(self, handle: ServerHandle) -> None:
         import docker
@@ -211,4 +288,5 @@ class DockerBackend(Backend):
         except docker.errors.NotFound:
             return
         c.stop(timeout=int(STOP_GRACE_S))
+        self.save_log(handle, c)
         c.remove()

@@ -64,6 +64,8 @@ class ServerHandle:
         pid: the server process (process backend).
         container: container id (docker backend).
         log_path: the server log.
+        log_offset: where this start's output begins in `log_path` (docker backend, which
+            rewrites it from the container's log).
         state_path: the state file `eyrie serve stop` reads.
         scratch: temp folder removed on stop (process backend).
     """
@@ -75,6 +77,7 @@ class ServerHandle:
     pid: int | None = None
     container: str | None = None
     log_path: str = ""
+    log_offset: int = 0
     state_path: str = ""
     scratch: str = ""
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -292,10 +293,12 @@ def _save(path: str, states: torch.Tensor, token_ids: torch.Tensor) -> None:
     """Write one sample's file atomically (temp name, then rename)."""
     from safetensors.torch import save_file
 
+    from shared.store import share_modes
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file({"hidden_states": states.contiguous(), "token_ids": token_ids.clone()}, tmp)
     # Readable by the extract worker (another uid in the compose deployment), which renames
     # or removes it: that needs write access to the folder only, which the worker owns.
-    os.chmod(tmp, 0o644)
+    share_modes(Path(tmp))
     os.replace(tmp, path)

@@ -27,6 +27,7 @@ from services.extract.backend import SampleStates, base_metadata
 from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ConfigError
 from shared.recipe import Recipe
+from shared.store import check_readable
 from shared.target import target_config
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ def _load_uncached(spec: LoadSpec) -> Any:
     }
     if spec.device_map:
         kwargs["device_map"] = spec.device_map
+    check_readable(spec.path, "target.path")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
     except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ from services.extract.backend import SampleStates, base_metadata
 from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ContractMismatchError, ServiceUnavailableError
 from shared.recipe import Recipe
-from shared.store import TEMP_PREFIX
+from shared.store import TEMP_PREFIX, check_readable
 from shared.target import target_config
 from shared.vllm import auth_headers, served_model_name
 
@@ -117,7 +117,9 @@ class VLLMExtractor:
                 f"{self.url}: response has no kv_transfer_params.hidden_states_path; the server "
                 "must run with Eyrie's KV connector (services.extract.connector)"
             )
-        data = load_file(self._wait_for(Path(path)))
+        ready = self._wait_for(Path(path))
+        check_readable(ready, "extract hidden states (written by the vLLM server)")
+        data = load_file(ready)
         in_place = staging is not None and Path(path) == staging
         if not in_place:
             Path(path).unlink(missing_ok=True)

@@ -36,6 +36,7 @@ from shared.artifacts import RunStore
 from shared.conventions import NUM_AUX_LAYERS, shift_mask_left
 from shared.errors import ArtifactError, ContractMismatchError
 from shared.records import ExtractMeta
+from shared.store import check_readable
 
 if TYPE_CHECKING:
     import torch
@@ -159,6 +160,7 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> AlignedSample:
     import torch
     from safetensors.torch import load_file
 
+    check_readable(ref.hs_file, "train hidden states")
     tensors = load_file(str(ref.hs_file))
     hs = tensors["hidden_states"]
     n = ref.positions + 1

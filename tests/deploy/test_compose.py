@@ -34,6 +34,8 @@ NOT_WIRED: dict[str, str] = {
     "LOCAL_RANK": "set per process by torchrun; a single trainer process is local rank 0",
     "EYRIE_PREP_TOKENIZERS": "optional speed-up: tokenizer folders a prep worker loads before "
     "forking; unset, each job loads its own",
+    "HF_HUB_OFFLINE": "huggingface_hub's own switch: set by an operator whose HF cache is "
+    "complete, so `eyrie up` downloads nothing; unset, it checks the cache against the hub",
 }
 
 #: Secrets, and the Eyrie services that use them (no other container gets them).
@@ -235,7 +237,7 @@ def test_vllm_service(services):
     assert vllm["ipc"] == "host"
     assert vllm["entrypoint"] == ["python3", "/opt/eyrie/vllm-serve.py"]
     env = vllm["environment"]
-    assert env["VLLM_MODE"] == "baseline" and env["VLLM_API_KEY"] == VLLM_API_KEY
+    assert env["VLLM_MODE"] == "standby" and env["VLLM_API_KEY"] == VLLM_API_KEY
     health = vllm["healthcheck"]
     assert any("/health" in part for part in health["test"])
     assert duration_s(health["start_period"]) >= 600
@@ -362,3 +364,50 @@ def test_dot_env_with_the_secrets_is_ignored_by_git():
     assert r.returncode == 0, ".env must be in .gitignore: it holds REDIS_PASSWORD and keys"
     r = subprocess.run(["git", "check-ignore", "-q", ".env.example"], cwd=ROOT)
     assert r.returncode == 1  # the template stays tracked
+
+
+# -- `docker compose up` does the job ------------------------------------------------------
+
+
+def test_plain_up_runs_the_recipe_named_in_env():
+    """No profile: `up` starts the conductor, which runs `eyrie up` on .env's EYRIE_RECIPE,
+    and the vllm container the docker backend copies, in standby."""
+    cfg = compose_config(EYRIE_RECIPE="recipes/smollm2-135m-cpu.yaml")
+    services = cfg["services"]
+    assert {"redis", "prep-worker", "extractor", "trainer", "conductor", "vllm"} <= set(services)
+    assert [n for n, svc in services.items() if svc.get("profiles")] == []
+    conductor = services["conductor"]
+    assert conductor["command"] == ["eyrie", "up"]
+    assert conductor["environment"]["EYRIE_RECIPE"] == "recipes/smollm2-135m-cpu.yaml"
+    assert (ROOT / conductor["environment"]["EYRIE_RECIPE"]).is_file()
+    assert conductor["restart"] == "no"  # exits after the report; a rerun resumes
+    assert conductor["depends_on"]["vllm"]["condition"] == "service_started"
+    assert services["vllm"]["environment"]["VLLM_MODE"] == "standby"
+
+
+def test_vllm_runs_as_the_workers_uid(services):
+    """What vLLM writes on the runs volume (extract mode's hidden states) is the workers'."""
+    assert services["vllm"]["user"] == "10001:10001"
+    for dockerfile in ("cpu", "gpu", "vllm-cpu"):
+        text = (ROOT / "images" / f"{dockerfile}.Dockerfile").read_text()
+        assert "USER 10001:10001" in text and "--uid 10001" in text, dockerfile
+
+
+def test_worker_node_runs_only_workers_on_the_remote_redis_and_shared_runs():
+    cfg = compose_config(
+        files=("docker-compose.yml", "docker-compose.worker.yml"),
+        EYRIE_REDIS_URL="redis://:pw@10.0.0.5:6379/0",
+        EYRIE_SHARED_DATA="/mnt/eyrie-runs",
+    )
+    started = {n: svc for n, svc in cfg["services"].items() if not svc.get("profiles")}
+    assert set(started) == {"prep-worker", "extractor", "trainer"}  # what a plain `up` starts
+    assert {cfg["services"][n]["profiles"][0] for n in ("redis", "conductor", "vllm")} == {
+        "main-node"
+    }
+    services = started
+    for name, svc in services.items():
+        assert svc["environment"]["EYRIE_REDIS_URL"] == "redis://:pw@10.0.0.5:6379/0", name
+        assert not svc.get("depends_on"), name  # no local Redis to wait for
+        assert mounts(svc)["/data"]["source"] == "runs", name
+    runs = cfg["volumes"]["runs"]
+    assert runs["driver_opts"] == {"type": "none", "o": "bind", "device": "/mnt/eyrie-runs"}

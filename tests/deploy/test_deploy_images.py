@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from compose_helpers import (
@@ -320,8 +321,10 @@ def test_compose_redis_needs_the_password_and_persists(compose_redis, services):
 # -- worker-health.py against a real Redis ---------------------------------------------------
 
 
-def run_health(redis_url: str) -> subprocess.CompletedProcess:
+def run_health(redis_url: str, workers_dir: Path | None = None) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    if workers_dir is not None:
+        env["TMPDIR"] = str(workers_dir)  # the container's own /tmp
     return subprocess.run(
         [sys.executable, str(ROOT / "images" / "worker-health.py")],
         env=env,
@@ -331,18 +334,29 @@ def run_health(redis_url: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_worker_health_follows_the_workers_registration(redis_url):
-    from shared.queue import connect, make_worker
+def test_worker_health_is_per_container_not_per_hostname(redis_url, tmp_path, monkeypatch):
+    """Two containers on one host (one hostname under host networking): a worker registered
+    by the first does not make the second healthy."""
+    import tempfile
 
-    r = run_health(redis_url)
-    assert r.returncode == 1 and "no rq worker" in r.stdout
+    from shared.queue import connect, make_worker, record_local_worker
+
+    a, b = tmp_path / "container-a", tmp_path / "container-b"
+    a.mkdir(), b.mkdir()
+    r = run_health(redis_url, a)
+    assert r.returncode == 1 and "no worker recorded" in r.stdout
     worker = make_worker(["prep"], connect(redis_url))
     worker.register_birth()
+    monkeypatch.setattr(tempfile, "tempdir", str(a))
+    record_local_worker(worker.name)
     try:
-        assert run_health(redis_url).returncode == 0
+        assert run_health(redis_url, a).returncode == 0
+        r = run_health(redis_url, b)  # same hostname, no worker of its own
+        assert r.returncode == 1 and "no worker recorded" in r.stdout
     finally:
         worker.register_death()
-    assert run_health(redis_url).returncode == 1
+    r = run_health(redis_url, a)  # its worker exited: its key is gone
+    assert r.returncode == 1 and f"worker {worker.name} exited" in r.stdout
 
 
 def test_worker_health_is_unhealthy_without_redis():

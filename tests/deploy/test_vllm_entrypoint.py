@@ -162,3 +162,39 @@ print(json.dumps(out, default=str))
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_standby_loads_nothing_reports_healthy_and_stops_on_sigterm(tmp_path, services):
+    """`docker compose up` makes the vllm container in standby: no recipe read, no server, a
+    passing healthcheck, and a clean exit on `docker stop` (SIGTERM to PID 1)."""
+    import signal
+    import time
+
+    port_file = tmp_path / "port"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": "/tmp",
+        "PYTHONPATH": str(ROOT),
+        "VLLM_MODE": "standby",
+        "EYRIE_RECIPE": "",  # standby needs none: a run's recipe may not be set yet
+        "EYRIE_VLLM_PORT_FILE": str(port_file),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert port_file.read_text() == "standby"
+        # The service's healthcheck, reading this port file.
+        test = services["vllm"]["healthcheck"]["test"]
+        code = test[test.index("-c") + 1].replace("/tmp/eyrie-vllm-port", str(port_file))
+        assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
+        assert proc.poll() is None  # still waiting
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()

@@ -121,7 +121,8 @@ def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path
     t0 = time.monotonic()
     requeued = []
     while not requeued:
-        requeued = reconcile(conn, ("prep",), stale_after_s=30)
+        # Only the worker's heartbeat tells it died (beats every 2 s here): no pid lookup.
+        requeued = reconcile(conn, ("prep",), stale_after_s=8)
         assert time.monotonic() - t0 < 30, "reconciler did not re-enqueue within 30 s"
         time.sleep(0.5)
     assert requeued == ["t-write-1"]
@@ -143,11 +144,8 @@ def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path
 
 
 @pytest.mark.slow
-def test_busy_non_forking_worker_is_not_taken_for_dead(redis_url, tmp_path, monkeypatch):
-    """A long job on a non-forking worker keeps heart-beating, seen as if from another host."""
-    import shared.queue as queue_mod
-
-    monkeypatch.setattr(queue_mod.socket, "gethostname", lambda: "another-host")
+def test_busy_non_forking_worker_is_not_taken_for_dead(redis_url, tmp_path):
+    """A long job on a non-forking worker keeps heart-beating (liveness is the heartbeat)."""
     conn = connect(redis_url)
     q = get_queue("train", conn)
     out = tmp_path / "o"
@@ -164,3 +162,81 @@ def test_busy_non_forking_worker_is_not_taken_for_dead(redis_url, tmp_path, monk
         time.sleep(1)
     assert job.get_status(refresh=True) == JobStatus.FINISHED
     assert (out / "runs.log").read_text().count("\n") == 1
+
+
+@pytest.mark.slow
+def test_config_error_fails_at_once_without_retries(redis_url, data_dir):
+    """A job that cannot succeed (its run does not exist) is not retried by rq."""
+    from shared.queue import failed_reason
+
+    conn = connect(redis_url)
+    job = enqueue(JobSpec("prep", "no-such-run", "prep", 0, timeout_s=60, retries=2), conn)
+    assert job.retries_left == 2
+    w = _start_worker(redis_url, "w-config", burst=True)
+    assert w.wait(timeout=120) == 0
+    assert job.get_status(refresh=True) == JobStatus.FAILED  # not SCHEDULED for a retry
+    job.refresh()
+    assert not job.retries_left
+    q = get_queue("prep", conn)
+    assert q.scheduled_job_registry.get_job_ids() == [] and len(q) == 0
+    reason = failed_reason(conn, "prep", "no-such-run", "prep", 0)
+    assert reason is not None and "run 'no-such-run' does not exist" in reason
+    assert reconcile(conn, ("prep",)) == []  # nothing for the conductor to re-enqueue
+
+
+def _worker_on_host(redis_url: str, name: str, host: str) -> subprocess.Popen:
+    """A burst worker in its own UTS and pid namespaces, as on another host or container:
+    hostname `host`, and a pid that means nothing in this process table."""
+    env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    cmd = (
+        f"hostname {host} && exec python -m services.conductor.cli worker prep "
+        f"--name {name} --monitor-interval-s 1 --burst"
+    )
+    return subprocess.Popen(
+        ["unshare", "--uts", "--pid", "--fork", "sh", "-c", cmd],
+        cwd=ROOT,
+        env={**env, "PATH": f"{Path(os.sys.executable).parent}:{env['PATH']}"},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare --uts needs root")
+def test_workers_on_two_hosts_share_one_run_without_doing_a_shard_twice(redis_url, tmp_path):
+    """Two workers with other hostnames and pid namespaces drain one set of shards while the
+    conductor's reconciler runs: no live job is taken for abandoned, no shard runs twice."""
+    conn = connect(redis_url)
+    q = get_queue("prep", conn)
+    shards = 6
+    for i in range(shards):
+        q.enqueue(
+            "tests.shared.jobfns.slow_write",
+            str(tmp_path / f"shard-{i}"),
+            40,
+            0.1,  # 4 s a shard: several heartbeats and reconciler passes each
+            job_id=f"t-multi-{i}",
+            job_timeout=120,
+        )
+    workers = [
+        _worker_on_host(redis_url, "w-node-a", "node-a"),
+        _worker_on_host(redis_url, "w-node-b", "node-b"),
+    ]
+    hosts: set[str] = set()
+    requeued: list[str] = []
+    deadline = time.monotonic() + 180
+    while any(w.poll() is None for w in workers):
+        assert time.monotonic() < deadline, "workers did not drain the queue"
+        requeued += reconcile(conn, ("prep",), stale_after_s=5)
+        from rq import Worker
+        from rq.serializers import JSONSerializer
+
+        hosts |= {w.hostname for w in Worker.all(connection=conn, serializer=JSONSerializer)}
+        time.sleep(0.5)
+    assert [w.returncode for w in workers] == [0, 0]
+    assert requeued == []
+    assert {"node-a", "node-b"} <= hosts
+    for i in range(shards):
+        out = tmp_path / f"shard-{i}"
+        assert (out / "runs.log").read_text().count("\n") == 1, f"shard {i} ran twice"
+        assert (out / "data.txt").read_text().count("\n") == 40
+    runs_by = [q.fetch_job(f"t-multi-{i}").worker_name for i in range(shards)]
+    assert set(runs_by) == {"w-node-a", "w-node-b"}, runs_by  # both took part

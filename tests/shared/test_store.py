@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from shared.store import (
     sweep_temps,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "t", "target": {"path": "/m"}, "datasets": [{"path": "/d.jsonl"}]}
 
 SLOW_WRITER = """
@@ -125,6 +128,91 @@ def test_atomic_writes_get_shared_modes(tmp_path):
     assert final.stat().st_mode & 0o777 == 0o644
     assert folder.stat().st_mode & 0o777 == 0o755
     assert (folder / "f").stat().st_mode & 0o777 == 0o644
+
+
+def _modes(folder):
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in folder.rglob("*")}
+
+
+def test_safetensors_and_save_pretrained_outputs_get_shared_modes(tmp_path):
+    """The real writers of checkpoints, exports and hidden states: each leaves a 0600 file
+    on its own; written through `atomic_path` every file is 0644 and every folder 0755."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    old = os.umask(0o022)
+    try:
+        raw = tmp_path / "raw.safetensors"
+        save_file({"x": torch.zeros(2)}, str(raw))
+        cfg = LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+        model = LlamaForCausalLM(cfg)
+        model.save_pretrained(tmp_path / "raw-model")
+        hs = tmp_path / "hs" / "shard-0.safetensors"
+        with atomic_path(hs) as tmp:
+            save_file({"hidden_states": torch.zeros(3, 4)}, str(tmp))
+        folder = tmp_path / "export"
+        with atomic_path(folder) as tmp:
+            model.save_pretrained(tmp)
+    finally:
+        os.umask(old)
+    # What the libraries do by themselves: what made artifacts unreadable across uids.
+    assert raw.stat().st_mode & 0o777 == 0o600
+    assert _modes(tmp_path / "raw-model")["model.safetensors"] == 0o600
+    assert hs.stat().st_mode & 0o777 == 0o644
+    modes = _modes(folder)
+    assert {"config.json", "model.safetensors"} <= set(modes)
+    assert set(modes.values()) == {0o644}
+    assert folder.stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root (chown) and setpriv (a reader without root's DAC override)",
+)
+def test_unreadable_file_is_reported_as_permission_denied(tmp_path):
+    """A file written 0600 by one uid, read by another: check_readable says permission
+    denied, with owner, mode and the reader's uid, where a library may say "not found"."""
+    import torch
+    from safetensors.torch import save_file
+
+    f = str(tmp_path / "shard-0.safetensors")
+    save_file({"x": torch.zeros(2)}, f)  # 0600
+    os.chown(f, 10001, 10001)  # written by the workers' uid; read here by root
+    code = (
+        "import sys\n"
+        "from shared.errors import ConfigError\n"
+        "from shared.store import check_readable\n"
+        "try:\n"
+        "    from safetensors.torch import load_file; load_file(sys.argv[1])\n"
+        "except Exception as e:\n"
+        "    print('LIB:', e)\n"
+        "try:\n"
+        "    check_readable(sys.argv[1], 'train hidden states')\n"
+        "except ConfigError as e:\n"
+        "    print('EYRIE:', e)\n"
+    )
+    # Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH reads like any other uid.
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    out = subprocess.run(
+        [*drop, sys.executable, "-c", code, f],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
+    lib = next(line for line in out.splitlines() if line.startswith("LIB:"))
+    eyrie = next(line for line in out.splitlines() if line.startswith("EYRIE:"))
+    assert "No such file" in lib or "Permission denied" in lib
+    assert f"train hidden states: permission denied reading {f}" in eyrie
+    assert "owner 10001:10001, mode 0600" in eyrie and "runs as uid 0" in eyrie
 
 
 def test_writer_that_writes_nothing_is_an_error(tmp_path):
