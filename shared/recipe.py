@@ -297,10 +297,10 @@ class DraftConfig(Section):
         return self
 
     def vocab_bound(self, target_vocab: int) -> int:
-        """Draft vocab rows for estimates made before the vocab stage: the stated size, or
-        for 'auto' its upper bound, the target's vocab (`target_vocab` rows).
-        """
+        """Draft vocab rows for estimates made before the vocab stage.
 
+        The stated size, or for 'auto' its upper bound: the target's `target_vocab` rows.
+        """
         return target_vocab if self.draft_vocab_size == "auto" else self.draft_vocab_size
 
 
