@@ -1,4 +1,4 @@
-"""`python -m services.train.ddp RUN_DIR`: one trainer rank, as torchrun starts it.
+"""`python -m services.train.ddp RUN_ID`: one trainer rank, as torchrun starts it.
 
 The train stage runs this under `torchrun --nproc-per-node TRAIN_GPUS` (see
 `services.train.stage.train_stage`); each rank reads `RANK`, `LOCAL_RANK` and `WORLD_SIZE`
@@ -14,17 +14,17 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train the run in folder `RUN_DIR` as this rank. Returns 0 on success."""
+    """Train the run `RUN_ID` (under EYRIE_DATA) as this rank. Returns 0 on success."""
     from services.train.stage import run_training
     from shared.artifacts import RunStore
     from shared.errors import ArtifactError
 
     p = argparse.ArgumentParser(prog="python -m services.train.ddp")
-    p.add_argument("run_dir", help="the run's folder (<data root>/runs/<run id>)")
+    p.add_argument("run_id", help="the run to train (under EYRIE_DATA/runs)")
     args = p.parse_args(argv)
-    store = RunStore.at(args.run_dir)
+    store = RunStore(args.run_id)
     if not store.exists():
-        raise ArtifactError(f"{args.run_dir}: no run there")
+        raise ArtifactError(f"run {args.run_id!r} does not exist under {store.root.parent}")
     run_training(store, store.recipe())
     return 0
 

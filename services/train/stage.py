@@ -58,7 +58,7 @@ def train_stage(ctx: StageContext) -> ShardResult:
     """Train the draft on the run's extracted hidden states (single job).
 
     With `TRAIN_GPUS` > 1 (the trainer container's setting) and not already under torchrun,
-    the job runs `torchrun --nproc-per-node TRAIN_GPUS -m services.train.ddp RUN_DIR` and
+    the job runs `torchrun --nproc-per-node TRAIN_GPUS -m services.train.ddp RUN_ID` and
     waits: one rank per GPU, DDP, rank 0 writing (`services.train.runtime`). The rq worker
     stays the single process that takes jobs from the queue.
 
@@ -85,8 +85,12 @@ def train_gpus() -> int:
     return int(raw)
 
 
-def torchrun_command(run_dir: Path | str, gpus: int) -> list[str]:
-    """The command the train job runs for `gpus` processes on this node (run folder)."""
+def torchrun_command(run_id: str, gpus: int) -> list[str]:
+    """The command the train job runs for `gpus` processes on this node.
+
+    The ranks inherit the job's environment, so they find the run under the same
+    `EYRIE_DATA`.
+    """
     return [
         sys.executable,
         "-m",
@@ -95,7 +99,7 @@ def torchrun_command(run_dir: Path | str, gpus: int) -> list[str]:
         f"--nproc-per-node={gpus}",
         "-m",
         "services.train.ddp",
-        str(run_dir),
+        run_id,
     ]
 
 
@@ -103,7 +107,7 @@ def _train_under_torchrun(ctx: StageContext, gpus: int) -> ShardResult:
     from services.train.checkpoints import latest, read_state
     from services.train.samples import index_samples
 
-    cmd = torchrun_command(ctx.store.root, gpus)
+    cmd = torchrun_command(ctx.store.run_id, gpus)
     log.info("train: %s", " ".join(cmd))
     proc = subprocess.run(cmd, check=False)
     if proc.returncode != 0:

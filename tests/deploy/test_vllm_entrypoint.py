@@ -79,7 +79,10 @@ def test_extract_command_writes_hidden_states_to_the_runs_volume():
     kv = json.loads(flag(cmd, "--kv-transfer-config"))
     assert kv["kv_role"] == "kv_producer"
     assert kv["kv_connector_module_path"] == "services.extract.connector"
-    assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/data/vllm-hidden-states"}
+    assert kv["kv_connector_extra_config"] == {
+        "shared_storage_path": "/data/vllm-hidden-states",
+        "output_root": "/data",
+    }
     assert "--no-enable-prefix-caching" in cmd
 
 

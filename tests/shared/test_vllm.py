@@ -87,7 +87,10 @@ def test_extract_args_add_final_layer_and_connector(recipe, tmp_path):
     kv = json.loads(_flag(args, "--kv-transfer-config"))
     assert kv["kv_connector_module_path"] == "services.extract.connector"
     assert kv["kv_role"] == "kv_producer"
-    assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    assert kv["kv_connector_extra_config"] == {
+        "shared_storage_path": str(tmp_path),
+        "output_root": str(tmp_path.parent),  # the run's extract folder, for the real one
+    }
     # A prefix-cache hit would skip the forward that yields those tokens' hidden states.
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
 

@@ -23,7 +23,7 @@ def test_train_gpus_setting(monkeypatch):
     assert train_gpus() == 1
     monkeypatch.setenv("TRAIN_GPUS", "8")
     assert train_gpus() == 8
-    assert "--nproc-per-node=8" in torchrun_command("/data/runs/r", 8)
+    assert "--nproc-per-node=8" in torchrun_command("r", 8)
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("TRAIN_GPUS", bad)
         with pytest.raises(ConfigError, match="TRAIN_GPUS"):
@@ -38,6 +38,8 @@ def test_two_ranks_under_torchrun(make_run, smollm2_path, monkeypatch):
     recipe = train_recipe(smollm2_path, epochs=1, step_checkpoint_every=0)
     store = make_run(recipe)
     monkeypatch.setenv("TRAIN_GPUS", "2")
+    # The ranks find the run where every Eyrie process does: under EYRIE_DATA.
+    monkeypatch.setenv("EYRIE_DATA", str(store.root.parent.parent))
     (m,) = run_stage(store, "train")
     assert m.extra["device"] == "torchrun x2"
     steps = [

@@ -91,7 +91,7 @@ def test_chunked_loss_and_gradients_equal_speculators_fp64(draft_and_batch):
         assert loss.dtype == torch.float64
         # speculators adds the steps' fp64 losses into an fp32 total in place; each step's
         # own loss (and every gradient) stays fp64.
-        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+        assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
         for j in range(TTT):
             ref_j = ref_metrics[f"loss_{j}_sum"]
             assert ref_j.dtype == torch.float64
