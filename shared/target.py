@@ -75,8 +75,9 @@ def normalize_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
       (older files); the legacy `type` key is folded into `rope_type`, and `rope_scaling` is
       removed so no reader can take it over the normalized dict; `rope_theta` mirrors it;
     - `head_dim` (else hidden_size // num_attention_heads), `num_key_value_heads` (else the
-      head count), `rms_norm_eps`, `hidden_act`, `max_position_embeddings`: the file's value,
-      else the config class's default (what the target runs with when the key is absent).
+      head count), both only when the config has `num_attention_heads`;
+    - `rms_norm_eps`, `hidden_act`, `max_position_embeddings`: the file's value, else the
+      config class's default (what the target runs with when the key is absent).
 
     Args:
         cfg: the raw config dict (`config.json`, or AutoConfig's `to_dict()`).
@@ -111,11 +112,12 @@ def normalize_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     defaults = LlamaConfig()
     out = copy.deepcopy(cfg)
     out.pop("rope_scaling", None)
-    heads = int(cfg["num_attention_heads"])
     out["rope_parameters"] = rope
     out["rope_theta"] = rope["rope_theta"]
-    out["head_dim"] = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    out["num_key_value_heads"] = int(cfg.get("num_key_value_heads") or heads)
+    if cfg.get("num_attention_heads"):  # a vocab-only test config has no attention shape
+        heads = int(cfg["num_attention_heads"])
+        out["head_dim"] = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        out["num_key_value_heads"] = int(cfg.get("num_key_value_heads") or heads)
     for key in ("rms_norm_eps", "hidden_act", "max_position_embeddings"):
         value = getattr(hf, key, None)
         out[key] = value if value is not None else getattr(defaults, key)
