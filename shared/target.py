@@ -117,8 +117,9 @@ def normalize_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
       (older files); the legacy `type` key is folded into `rope_type`, and `rope_scaling` is
       removed so no reader can take it over the normalized dict; `rope_theta` mirrors it;
     - `head_dim` (else hidden_size // num_attention_heads), `num_key_value_heads` (else the
-      head count), `rms_norm_eps`, `hidden_act`, `max_position_embeddings`: the file's value,
-      else the config class's default (what the target runs with when the key is absent).
+      head count), both only when the config has `num_attention_heads`;
+    - `rms_norm_eps`, `hidden_act`, `max_position_embeddings`: the file's value, else the
+      config class's default (what the target runs with when the key is absent).
 
     Args:
         cfg: the raw config dict (`config.json`, or AutoConfig's `to_dict()`).

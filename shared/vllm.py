@@ -276,8 +276,40 @@ def preflight_problems(recipe: Recipe, draft_dir: Path | str, spec: dict[str, An
             f"speculative-config method: expected 'eagle3', got {spec.get('method')!r} "
             "('eagle' serves an EAGLE-3 draft with the wrong feature width: τ ≈ 1.0, no error)"
         )
-    problems += lint_draft_dir(draft_dir, target_config(recipe))
+    tcfg = target_config(recipe)
+    problems += lint_draft_dir(draft_dir, tcfg)
+    problems += target_rope_problems(draft_dir, tcfg)
     return problems + verifier_problems(draft_dir, recipe.target.path)
+
+
+def target_rope_problems(draft_dir: Path, tcfg: dict[str, Any]) -> list[str]:
+    """An Eyrie draft whose RoPE or head_dim is not the target's; [] otherwise.
+
+    Eyrie trains the draft layer with the target's RoPE and head_dim
+    (`services.train.draft_model.draft_layer_config`), so an Eyrie-written folder (llama
+    style with an `eyrie` section) that reads differently was exported by an older Eyrie
+    that wrote only `rope_theta`, and vLLM would serve it with other positions than it
+    trained with. Folders from other tools are not judged.
+    """
+    from shared.draft import forward_view, standard_rope
+
+    path = Path(draft_dir) / "config.json"
+    if not path.is_file():
+        return []
+    cfg = json.loads(path.read_text())
+    if "eyrie" not in cfg:
+        return []
+    view = forward_view(cfg)
+    problems = []
+    want = standard_rope(tcfg["rope_parameters"])
+    if view["rope_parameters"] != want:
+        problems.append(
+            f"rope_parameters: the draft reads as {view['rope_parameters']}, the target has "
+            f"{want}; re-export it (eyrie stage export --force)"
+        )
+    if view["head_dim"] != tcfg["head_dim"]:
+        problems.append(f"head_dim: the draft has {view['head_dim']}, target {tcfg['head_dim']}")
+    return problems
 
 
 def preflight_eagle3(recipe: Recipe, draft_dir: Path | str, spec: dict[str, Any]) -> None:

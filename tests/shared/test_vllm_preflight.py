@@ -196,3 +196,15 @@ def test_without_vllm_the_scan_catches_the_same(recipe, draft, monkeypatch):
     assert (
         "cannot be checked without vLLM" in sv.launch_problems(recipe, "eagle3", dotted, draft)[0]
     )
+
+
+def test_draft_with_other_rope_than_the_target_refused(recipe, draft):
+    """An Eyrie export that lost the target's RoPE (as exports before issue 15 did: only
+    rope_theta) is refused before vLLM serves it with other positions."""
+    _edit_config(
+        draft,
+        lambda c: c.update(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_theta=10000.0
+        ),
+    )
+    _refused(recipe, draft, r"rope_parameters: the draft reads as .*'rope_theta': 10000\.0")

@@ -247,3 +247,51 @@ def test_speculators_folder_reloads_in_speculators(exported_run):
     vllm = load_file(str(exported_run.export.vllm_draft / "model.safetensors"))
     assert torch.equal(model.fc.weight.to(torch.bfloat16), vllm["fc.weight"])
     assert torch.equal(model.d2t, vllm["d2t"])
+
+
+def test_vllm_reads_every_export_with_the_checkpoints_settings(exported_run, smollm2_path):
+    """Export round trip: each folder, read by vLLM's own config loader (`get_config`; the
+    llama-style ones wrapped in `EAGLEConfig` as vLLM's SpeculativeConfig does, the
+    speculators one converted by vLLM's speculators parser), has the forward-pass settings
+    of the draft rebuilt from the exported checkpoint."""
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    from services.train import checkpoints as ckpt
+    from services.train.draft_model import build_draft, load_trainable_state
+
+    recipe = exported_run.recipe()
+    weights, _, _ = ckpt.load(ckpt.best_or_last(exported_run.train))
+    d2t, t2d = exported_run.vocab.read_maps()
+    model = build_draft(recipe, d2t, t2d)
+    load_trainable_state(model, weights)
+    layer = model.config.transformer_layer_config
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "rope_parameters",
+    )
+    want = {k: getattr(layer, k) for k in keys}
+    assert want["rms_norm_eps"] == _target(smollm2_path)["rms_norm_eps"]
+    assert want["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
+    ids = {"vllm": AUX, "sglang": [a - 1 for a in AUX], "speculators": AUX}
+    for name in ("vllm", "sglang", "speculators"):
+        cfg = get_config(str(exported_run.export.folder(name)), trust_remote_code=False)
+        if name != "speculators":
+            cfg = EAGLEConfig(cfg, method="eagle3", model_type="eagle").model
+        got = {k: getattr(cfg, k) for k in keys}
+        assert got == want, name
+        assert cfg.draft_vocab_size == model.config.draft_vocab_size, name
+        assert cfg.target_hidden_size == 576, name
+        aux = getattr(cfg, "eagle_aux_hidden_state_layer_ids", None)
+        aux = aux or (cfg.eagle_config or {}).get("eagle_aux_hidden_state_layer_ids")
+        assert aux == ids[name], name
+        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            assert bool(getattr(cfg, flag)) == bool(getattr(model.config, flag)), (name, flag)
