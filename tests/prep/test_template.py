@@ -389,3 +389,44 @@ def test_template_round_trip_on_every_tokenizer(toks, name):
         broken = replace(r, turns=[*r.turns[:-1], shifted])
         ((_, _, problem),) = tokenize_rendered(tok, [broken])
         assert problem == "round_trip_content_missing"
+
+
+@pytest.mark.parametrize("policy", ["prefix", "mask"])
+def test_rewritten_turn_policy_in_tokenize(toks, policy):
+    """prep.rewritten_turns: 'prefix' adds the sample `<id>#0` for Qwen3's rewritten first
+    turn, 'mask' only masks it; either way it is counted."""
+    from collections import Counter
+
+    from services.prep.tokenize import from_conversations
+    from shared.records import Conversation
+
+    conv = Conversation.model_validate(
+        {
+            "id": "q:0",
+            "source": "q",
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "Add two and two."},
+                {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "6", "reasoning_content": "Add three."},
+            ],
+        }
+    )
+    counts: Counter = Counter()
+    out = from_conversations(toks["qwen3"], [conv], {}, 4096, counts, policy)
+    tok = toks["qwen3"]
+    trained = [
+        tok.decode([i for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m]) for s in out
+    ]
+    if policy == "prefix":
+        assert [s.id for s in out] == ["q:0", "q:0#0"]
+        assert [s.conversation_id for s in out] == ["q:0", "q:0"]
+        assert trained == [
+            "<think>\nAdd three.\n</think>\n\n6<|im_end|>",
+            "<think>\nAdd two and two.\n</think>\n\n4<|im_end|>",
+        ]
+        assert counts == {"rewritten_turn_prefix_sample": 1}
+    else:
+        assert [s.id for s in out] == ["q:0"]
+        assert trained == ["<think>\nAdd three.\n</think>\n\n6<|im_end|>"]
+        assert counts == {"rewritten_turn_masked": 1}
