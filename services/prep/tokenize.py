@@ -97,7 +97,8 @@ def _renders(
     for i in whole.rewritten:
         counts[f"rewritten_turn_{'prefix_sample' if rewritten == 'prefix' else 'masked'}"] += 1
         if rewritten == "prefix":
-            out.append((f"{row.id}#{i}", prefix_turn(tok, msgs, i, kwargs, row.tools)))
+            turn = sum(m["role"] == "assistant" for m in msgs[:i])  # as regen numbers turns
+            out.append((f"{row.id}#{turn}", prefix_turn(tok, msgs, i, kwargs, row.tools)))
     return out
 
 

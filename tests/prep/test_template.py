@@ -389,3 +389,86 @@ def test_template_round_trip_on_every_tokenizer(toks, name):
         broken = replace(r, turns=[*r.turns[:-1], shifted])
         ((_, _, problem),) = tokenize_rendered(tok, [broken])
         assert problem == "round_trip_content_missing"
+
+
+@pytest.mark.parametrize("policy", ["prefix", "mask"])
+def test_rewritten_turn_policy_in_tokenize(toks, policy):
+    """prep.rewritten_turns: 'prefix' adds the sample `<id>#0` for Qwen3's rewritten first
+    turn, 'mask' only masks it; either way it is counted."""
+    from collections import Counter
+
+    from services.prep.tokenize import from_conversations
+    from shared.records import Conversation
+
+    conv = Conversation.model_validate(
+        {
+            "id": "q:0",
+            "source": "q",
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "Add two and two."},
+                {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "6", "reasoning_content": "Add three."},
+            ],
+        }
+    )
+    counts: Counter = Counter()
+    out = from_conversations(toks["qwen3"], [conv], {}, 4096, counts, policy)
+    tok = toks["qwen3"]
+    trained = [
+        tok.decode([i for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m]) for s in out
+    ]
+    if policy == "prefix":
+        assert [s.id for s in out] == ["q:0", "q:0#0"]
+        assert [s.conversation_id for s in out] == ["q:0", "q:0"]
+        assert trained == [
+            "<think>\nAdd three.\n</think>\n\n6<|im_end|>",
+            "<think>\nAdd two and two.\n</think>\n\n4<|im_end|>",
+        ]
+        assert counts == {"rewritten_turn_prefix_sample": 1}
+    else:
+        assert [s.id for s in out] == ["q:0"]
+        assert trained == ["<think>\nAdd three.\n</think>\n\n6<|im_end|>"]
+        assert counts == {"rewritten_turn_masked": 1}
+
+
+def test_qwen3_multi_step_tool_use_trains_every_reasoning_once(toks):
+    """LLaMA-Factory's reason_tool_use demo (50 rows of reasoning + tool-call steps) on
+    Qwen3: 16 rows were dropped as `template_prefix_mismatch` (a later user turn makes the
+    template drop the reasoning of earlier steps). Now no row is dropped, and every assistant
+    step's reasoning is trained in exactly one sample, with its own tool calls."""
+    from collections import Counter
+
+    from services.prep.formats import normalize
+    from services.prep.tokenize import from_conversations
+    from shared.records import Conversation
+
+    path = GOLDEN.parent / "reason_tool_use_demo_50.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    convs = []
+    for i, r in enumerate(rows):
+        a = normalize(adapt_openai(r), 200_000)
+        convs.append(
+            Conversation.model_validate(
+                {"id": f"r:{i}", "source": "r", "messages": a.messages, "tools": a.tools}
+            )
+        )
+    tok = toks["qwen3"]
+    counts: Counter = Counter()
+    out = from_conversations(tok, convs, {}, 16384, counts)
+    assert not [k for k in counts if k.startswith("dropped:")]
+    trained: dict[str, list[str]] = {}
+    for s in out:
+        text = tok.decode([i for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
+        trained.setdefault(s.conversation_id, []).append(text)
+    steps = 0
+    for c in convs:
+        for m in c.messages:
+            if m.role == "assistant" and m.reasoning_content:
+                steps += 1
+                hits = [t for t in trained[c.id] if m.reasoning_content.strip() in t]
+                assert len(hits) == 1, (c.id, m.reasoning_content[:60])
+                for call in m.tool_calls or ():
+                    assert call.function.name in hits[0]
+    assert steps == 112  # reasoning parts in the file (tests/fixtures/samples/SOURCES.md)
+    assert counts["rewritten_turn_prefix_sample"] == len(out) - len(convs) > 0
