@@ -130,13 +130,20 @@ class Backend:
         port = port or vllm.mode_port(recipe, mode)
         url = vllm.base_url(recipe, mode).rsplit(":", 1)[0] + f":{port}"
         make_dirs(log_path.parent)
+        try:
+            weights: int | None = target_weight_bytes(recipe)
+        except ConfigError as e:
+            # The docker backend's target may be a path only its container sees.
+            log.info("start-up timeout not sized from the weights (%s)", e)
+            weights = None
+        timeout_s = startup_timeout_s(recipe, weights)
         handle = self._spawn(recipe, mode, log_path, draft_dir, hs_dir, port, url)
         self._record(handle)
         try:
-            log.info("waiting for %s server at %s", mode, url)
+            log.info("waiting for %s server at %s (up to %.0f s)", mode, url, timeout_s)
             wait_ready(
                 url,
-                startup_timeout_s(recipe, target_weight_bytes(recipe)),
+                timeout_s,
                 lambda: self.alive(handle),
                 Path(handle.log_path) if handle.log_path else None,
             )
