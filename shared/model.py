@@ -24,15 +24,19 @@ import struct
 from pathlib import Path
 
 from shared.errors import ArtifactError, ConfigError
-from shared.recipe import Recipe
+from shared.recipe import Recipe, looks_local
 
 INDEX_NAME = "model.safetensors.index.json"
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+#: Hub files no Eyrie service or vLLM reads: original (non-HF) checkpoints, duplicates of
+#: the safetensors weights.
+HUB_IGNORE = ["original/*", "*.pth", "consolidated*"]
 
 
 def is_hub_id(path: str) -> bool:
     """Whether `target.path` names a hub repo (`owner/name`) rather than a local folder."""
-    return not (path.startswith(_LOCAL_PREFIXES) or Path(path).exists())
+    return not (looks_local(path) or Path(path).exists())
 
 
 def local_snapshot(recipe: Recipe) -> Path | None:
@@ -207,6 +211,7 @@ def pull(recipe: Recipe, *, local_files_only: bool = False, max_workers: int = 8
                 revision=t.revision,
                 local_files_only=local_files_only,
                 max_workers=max_workers,
+                ignore_patterns=HUB_IGNORE,
             )
         )
     except Exception as e:  # hub, network and cache errors all end the pull the same way

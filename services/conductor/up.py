@@ -38,12 +38,6 @@ LOCAL_TARGET_MAKERS = {
     ],
 }
 
-#: Hub files no Eyrie service or vLLM reads: original (non-HF) checkpoints, duplicates of
-#: the safetensors weights.
-HUB_IGNORE = ["original/*", "*.pth", "consolidated*"]
-
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `up` subcommand."""
@@ -82,16 +76,18 @@ def ensure_target(recipe: Recipe) -> Path | str:
 
     A local folder that exists is used as is; a missing one is made by its converter when
     this image has one (`LOCAL_TARGET_MAKERS`), else refused. A hub id is downloaded with
-    huggingface_hub into `$HF_HOME` (resumable; a complete cache is only checked), with
+    huggingface_hub into `$HF_HOME` by `shared.model.pull` (resumable, then checked), with
     `HF_TOKEN` for gated models.
 
     Raises:
-        ConfigError: a missing local folder nobody here can make, or a hub download that
-            failed (the message names the repo and the error).
+        ConfigError: a missing local folder nobody here can make.
+        ArtifactError: a hub download that failed or left an incomplete copy (named).
     """
+    from shared.model import is_hub_id, pull
+
     t = recipe.target
     path = Path(t.path)
-    if t.path.startswith(_LOCAL_PREFIXES) or path.exists():
+    if not is_hub_id(t.path):
         if path.is_dir():
             return path
         makers = [m for m in LOCAL_TARGET_MAKERS.get(path.name, []) if m.is_file()]
@@ -105,17 +101,8 @@ def ensure_target(recipe: Recipe) -> Path | str:
         return path
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return t.path  # the operator says the cache is complete
-    from huggingface_hub import snapshot_download
-
     log.info("downloading %s (revision %s) into the HF cache", t.path, t.revision or "main")
-    try:
-        local = snapshot_download(t.path, revision=t.revision, ignore_patterns=HUB_IGNORE)
-    except Exception as e:  # huggingface_hub raises many types (HTTP, auth, repo, disk)
-        raise ConfigError(
-            f"target.path: cannot download {t.path} from the hub ({type(e).__name__}: {e}); "
-            "set HF_TOKEN in .env for a gated model"
-        ) from e
-    log.info("target %s is in %s", t.path, local)
+    log.info("target %s is in %s", t.path, pull(recipe))
     return t.path
 
 
