@@ -188,10 +188,8 @@ def _worker_on_host(redis_url: str, name: str, host: str) -> subprocess.Popen:
     """A burst worker in its own UTS and pid namespaces, as on another host or container:
     hostname `host`, and a pid that means nothing in this process table."""
     env = {**os.environ, "EYRIE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    cmd = (
-        f"hostname {host} && exec python -m services.conductor.cli worker prep "
-        f"--name {name} --monitor-interval-s 1 --burst"
-    )
+    # The test launcher: an `eyrie worker` refuses every job function but the stage job.
+    cmd = f"hostname {host} && exec python -m tests.shared.jobfns prep {name} 1 1"
     return subprocess.Popen(
         ["unshare", "--uts", "--pid", "--fork", "sh", "-c", cmd],
         cwd=ROOT,

@@ -15,13 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shared.recipe import resolve_recipe
 from shared.vllm import vllm_args
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI_CONFIG = ROOT / "tests" / "fixtures" / "kimi-k2.5" / "config.json"
-SHA = "89abcdef0123456789abcdef0123456789abcdef"
+KIMI_RECIPE = ROOT / "recipes" / "kimi-k2.5.yaml"
+#: The snapshot sha: the Kimi recipe's pinned revision, so the cache resolves it.
+SHA = yaml.safe_load(KIMI_RECIPE.read_text())["target"]["revision"]
 
 CODE = """
 import json, sys
