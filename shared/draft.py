@@ -246,25 +246,28 @@ def standard_rope(rope: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The draft decoder layer's shape and forward-pass keys (RoPE apart): what the layer copies
+#: from the target config and what the export lint reads back.
+LAYER_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
 def layer_config_from_target(cfg: dict[str, Any]) -> dict[str, Any]:
     """The draft layer's config keys copied from a normalized target config.
 
     The same keys `services.train.draft_model.draft_layer_config` gives the trained layer
     (with the recipe's MLP width there).
     """
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "rms_norm_eps",
-        "rope_parameters",
-        "max_position_embeddings",
-    )
-    return {k: cfg[k] for k in keys}
+    return {k: cfg[k] for k in (*LAYER_SHAPE_KEYS, "rope_parameters")}
 
 
 def forward_view(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -287,19 +290,7 @@ def forward_view(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("architectures", "model_type", "eagle_config", "eyrie", "auto_map"):
         layer.pop(key, None)
     hf = LlamaConfig.from_dict(layer)
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "rms_norm_eps",
-        "max_position_embeddings",
-        "attention_bias",
-        "mlp_bias",
-    )
+    keys = (*LAYER_SHAPE_KEYS, "attention_bias", "mlp_bias")
     out: dict[str, Any] = {k: getattr(hf, k, None) for k in keys}
     out["rope_parameters"] = standard_rope(dict(hf.rope_parameters or {}))
     out["draft_vocab_size"] = cfg.get("draft_vocab_size")
