@@ -1,6 +1,6 @@
 """The EAGLE-3 draft folder as vLLM loads it ("llama" style), its writer and its lint.
 
-Layout (EAGLE-3 conventions §6; vLLM `model_executor/models/llama_eagle3.py`):
+Layout (vLLM `model_executor/models/llama_eagle3.py`):
     config.json        architectures ["LlamaForCausalLMEagle3"], model_type "llama",
                        num_hidden_layers 1, vocab_size = target vocab, draft_vocab_size,
                        target_hidden_size, every norm flag written explicitly, and

@@ -3,7 +3,7 @@
 A draft that accepts tokens can still make serving slower (one real run: τ 2.1, yet 82.3 tok/s
 against a 90 tok/s baseline). So two things are flagged, per (temperature, concurrency) cell:
 - τ < `shared.conventions.TAU_MISCONFIG_THRESHOLD` at the lowest temperature: a
-  misconfiguration until proven otherwise (EAGLE-3 conventions §7);
+  misconfiguration until proven otherwise (shared/conventions.py §7);
 - speedup < 1: the draft costs more than it saves there.
 
 The causes that can be checked on disk (the speculative method, aux layer ids, norm flags,
@@ -310,7 +310,7 @@ def flags_for(
             {
                 "kind": "low_tau",
                 "message": f"{shown} < {TAU_MISCONFIG_THRESHOLD}: a misconfiguration until "
-                "proven otherwise (EAGLE-3 conventions §7)",
+                "proven otherwise (shared/conventions.py §7)",
                 "checked": checked,
                 "confirmed": confirmed,
                 "open_causes": _tau_causes(low, offline, checks),

@@ -9,7 +9,7 @@ over those.
 
 Invariants:
 - Counters are cumulative since server start, so a window is always `after - before`: a
-  server that has already served requests gives the same τ (EAGLE-3 conventions §7).
+  server that has already served requests gives the same τ (shared/conventions.py §7).
 - A counter that went down means the server restarted inside the window; that window is
   refused, never clamped.
 - τ and the acceptance rate come from `shared.conventions` (one formula in the project).

@@ -1,7 +1,7 @@
 """Benchmark prompt sets, as chat messages the server renders with the chat template.
 
 Prompts are sent as `messages` through `/v1/chat/completions`, so the server applies the
-target's chat template with the recipe's `chat_template_kwargs` (EAGLE-3 conventions §7:
+target's chat template with the recipe's `chat_template_kwargs` (shared/conventions.py §7:
 raw prompts inflate τ through degenerate loops).
 
 Sets:

@@ -1,4 +1,4 @@
-"""The assistant-only loss mask, from chat-template renders (EAGLE-3 conventions §4).
+"""The assistant-only loss mask, from chat-template renders (shared/conventions.py §4).
 
 The mask is 1 exactly on what the assistant generates: its content (reasoning and tool calls
 included, as the template renders them) plus the template's end-of-turn token. It is 0 on

@@ -13,12 +13,12 @@ step j-1). Step j's draft token (mapped to a target id with d2t) is accepted whe
   argmax at p+j-1: only then is the teacher's next argmax, computed on the sample's prefix,
   the one a greedy target would compute after accepting the previous draft token;
 - p+j is still a trainable position of the same sample.
-The accepted length of an anchor is the leading run of accepted steps (EAGLE-3 conventions
+The accepted length of an anchor is the leading run of accepted steps (shared/conventions.py
 §7), and τ = 1 + mean accepted length. On data the target generated greedily this is exact;
 on other data the second condition makes it a lower bound.
 
 Invariants: runs under `torch.no_grad` in eval mode and restores the model's mode; the
-teacher logits are `lm_head(final_norm(h_pre))` (conventions §2) with the target's full
+teacher logits are `lm_head(final_norm(h_pre))` (shared/conventions.py §2) with the target's full
 lm_head, which `teacher_head` loads once.
 """
 

@@ -18,7 +18,7 @@ tokens gives n-1 positions: `input_ids = x[1:]`, `aux = g[:-1]`, `final = y[1:]`
 `shared.conventions.shift_mask_left` says (a position is trained when the token it predicts
 is assistant-generated): `mask = shift_mask_left(l)[1:]`. This differs from speculators'
 `shift_batch` (which keeps `l[1:]`, training the prediction after the end-of-turn token and
-skipping the first answer token), on purpose: EAGLE-3 conventions §4.
+skipping the first answer token), on purpose: shared/conventions.py §4.
 
 Invariants: a row whose hidden-state file is missing (quarantined by extract) is skipped and
 counted, never trained; a sample with no trainable position after the shift is skipped and
@@ -105,7 +105,7 @@ def _check_meta(path: Path, meta: ExtractMeta, first: ExtractMeta) -> None:
     if meta.final_state != "pre_norm":
         raise ContractMismatchError(
             f"{path}: final_state is {meta.final_state!r}; the trainer needs the final "
-            "state before the norm (EAGLE-3 conventions §2)"
+            "state before the norm (shared/conventions.py §2)"
         )
     if (meta.aux_layer_ids, meta.hidden_size) != (first.aux_layer_ids, first.hidden_size):
         raise ContractMismatchError(

@@ -38,7 +38,7 @@ def _spec_text(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]
 
 
 def test_conventions_example_tau_3_rate_half():
-    # EAGLE-3 conventions §7: k=4, accept vectors [1,1,0,0], [0,1,1,1], [1,1,1,1] accept
+    # shared/conventions.py §7: k=4, accept vectors [1,1,0,0], [0,1,1,1], [1,1,1,1] accept
     # prefixes 2, 0, 4: 3 drafts, 12 draft tokens, 6 accepted; position i accepted in
     # (2, 2, 1, 1) of the drafts.
     before = parse_counters(_spec_text(0, 0, 0, [0, 0, 0, 0], 0))

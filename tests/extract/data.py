@@ -3,7 +3,7 @@
 Real ShareGPT V3 conversations (`services.prep.sharegpt_pkg`), adapted by the prep adapter,
 rendered with SmolLM2's real ChatML template and tokenized once (`add_special_tokens=False`).
 The loss mask marks each assistant turn's content and its `<|im_end|>`, found by rendering
-prefixes (EAGLE-3 conventions §4); the newline after `<|im_end|>` stays 0.
+prefixes (shared/conventions.py §4); the newline after `<|im_end|>` stays 0.
 
 This is test data, not the tokenize stage (services/prep owns that): the rows are made here,
 independently of the stage, and written through the run store's tokenize writer

@@ -51,7 +51,7 @@ def test_sglang_refuses_ids_not_starting_at_2():
 
 
 def test_d2t_t2d_doc_example():
-    # EAGLE-3 conventions §3: target vocab 10, selected [0, 2, 3, 7].
+    # shared/conventions.py §3: target vocab 10, selected [0, 2, 3, 7].
     d2t, t2d = c.build_d2t_t2d([0, 2, 3, 7], 10)
     assert d2t.tolist() == [0, 1, 1, 4]
     assert t2d.astype(int).tolist() == [1, 0, 1, 1, 0, 0, 0, 1, 0, 0]

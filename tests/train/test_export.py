@@ -1,5 +1,6 @@
 """Export of the trained draft: three folders that load, and a lint that catches each
-EAGLE-3 invariant (EAGLE-3 conventions §1, §3, §6) broken on purpose, one test each."""
+EAGLE-3 invariant (shared/conventions.py §1, §3; the layout in shared/draft.py) broken on
+purpose, one test each."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The vocab stage end to end: the EAGLE-3 conventions §3 examples through real tokenized
+"""The vocab stage end to end: the shared/conventions.py §3 examples through real tokenized
 shards, counting only the training split.
 
 Expected values are written by hand from the rules (top counts, ties by lower id, padding by
