@@ -33,6 +33,26 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=gen).tolist()
 
 
+def greedy_groups(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of indices into `sizes` whose sizes sum to at most `budget`.
+
+    Greedy: an item joins the current group while it fits; an item larger than `budget`
+    forms a group of its own (items are never split).
+    """
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if cur and used + n > budget:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 def pack(refs: Sequence[SampleRef], order: Sequence[int], tokens_per_step: int) -> list[list[int]]:
     """Greedy first-fit in `order`: consecutive samples share a step while they fit.
 
@@ -44,19 +64,8 @@ def pack(refs: Sequence[SampleRef], order: Sequence[int], tokens_per_step: int) 
     Returns:
         one list of sample indices per step.
     """
-    steps: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i in order:
-        n = min(refs[i].positions, tokens_per_step)
-        if cur and used + n > tokens_per_step:
-            steps.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        steps.append(cur)
-    return steps
+    sizes = [min(refs[i].positions, tokens_per_step) for i in order]
+    return [[order[j] for j in g] for g in greedy_groups(sizes, tokens_per_step)]
 
 
 def count_truncated(refs: Sequence[SampleRef], tokens_per_step: int) -> int:

@@ -47,7 +47,13 @@ from services.train.memory import (
     step_memory,
 )
 from services.train.metrics import MetricsLog, plot, step_metrics
-from services.train.packing import collate, count_truncated, epoch_order, pack
+from services.train.packing import (
+    collate,
+    count_truncated,
+    epoch_order,
+    greedy_groups,
+    pack,
+)
 from services.train.runtime import Runtime, resolve_runtime, unwrap
 from services.train.samples import AlignedSample, SampleIndex, SampleReader, SampleRef
 from services.train.schedule import lr_shape
@@ -439,15 +445,4 @@ def _micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
     A sample longer than `micro_tokens` forms a group of its own (samples are never split:
     attention and the TTT shift run within a sample).
     """
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > micro_tokens:
-            groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        groups.append(cur)
-    return groups
+    return greedy_groups(lengths, micro_tokens)
