@@ -80,7 +80,7 @@ def command() -> list[str]:
         hs_dir = _optional_dir("EYRIE_SERVE_HS_DIR") or Path("/data/vllm-hidden-states")
         port = vllm.mode_port(recipe, mode)
         args = vllm.vllm_args(recipe, mode, draft, port, hs_dir, host="0.0.0.0")
-        vllm.preflight_launch(recipe, mode, draft, args)
+        vllm.preflight_launch(recipe, mode, draft, args, local_engine=True)
     except EyrieError as e:
         _die(f"VLLM_MODE={mode}: {e}")
     return [*API_SERVER, *args]

@@ -410,7 +410,11 @@ def final_speculative_config(args: list[str]) -> tuple[dict[str, Any] | None, st
 
 
 def launch_problems(
-    recipe: Recipe, mode: str, args: list[str], draft_dir: Path | str | None = None
+    recipe: Recipe,
+    mode: str,
+    args: list[str],
+    draft_dir: Path | str | None = None,
+    local_engine: bool = False,
 ) -> list[str]:
     """Every reason not to start `mode`'s server with the argument list `args`.
 
@@ -419,12 +423,15 @@ def launch_problems(
         mode: baseline, eagle3 or extract.
         args: the final vLLM arguments (`vllm_args`, ending with `serve.extra_args`).
         draft_dir: the eagle3 draft folder.
+        local_engine: this process's vLLM is the one that will serve (then
+            `engine_pairing_problems` is asked too).
 
     Returns:
         [] when it may start. A baseline list with any speculative config, a list whose
         speculative config vLLM would read differently from Eyrie's (a second flag in
         `serve.extra_args`: vLLM takes the last), a flag given more than once, and, for
-        eagle3, every `preflight_problems` of the draft the final config names.
+        eagle3, every `preflight_problems` of the draft the final config names (and,
+        with `local_engine`, `engine_pairing_problems`).
     """
     parser = _vllm_parser()
     flags: tuple[str, ...] = SPEC_FLAGS
@@ -458,18 +465,73 @@ def launch_problems(
             f"not Eyrie's {json.dumps(ours, sort_keys=True)} (serve.extra_args?)"
         )
     if mode == "eagle3" and final is not None:
-        problems += preflight_problems(recipe, Path(final.get("model") or draft_dir or ""), final)
+        draft = Path(final.get("model") or draft_dir or "")
+        problems += preflight_problems(recipe, draft, final)
+        if local_engine:
+            problems += engine_pairing_problems(recipe, draft)
     return problems
 
 
+def engine_pairing_problems(recipe: Recipe, draft_dir: Path | str) -> list[str]:
+    """Whether this machine's vLLM can page the draft's attention next to the target's.
+
+    vLLM picks one attention backend for the target's layers and one for the draft's, and
+    both must accept a common KV-cache block size (`vllm.v1.worker.utils.
+    select_common_block_size`). On a CPU without AMX, an MLA target (DeepSeek-V3, Kimi-K2.5)
+    gets `CPU_MLA`, which pages only 16-token blocks, while the draft's Llama attention gets
+    `CPU_ATTN`, which pages multiples of 32: vLLM refuses the pair at start ("No common block
+    size for 16"). GPUs and AMX CPUs (`AMX_MLA`, multiples of 32) serve it. The backends and
+    their block sizes are asked of the installed vLLM's platform, not restated here.
+
+    Only meaningful where this process's vLLM is the serving one (`serve.backend: process`,
+    or the serve image itself); [] without vLLM, off CPU, or for a target without MLA.
+    """
+    try:
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+    except ImportError:
+        return []
+    tcfg = target_config(recipe)
+    if not current_platform.is_cpu() or not tcfg.get("kv_lora_rank"):
+        return []
+    path = Path(draft_dir) / "config.json"
+    dcfg = json.loads(path.read_text()) if path.is_file() else {}
+    head = dcfg.get("head_dim") or tcfg.get("head_dim") or 128
+    latent = tcfg["kv_lora_rank"] + tcfg.get("qk_rope_head_dim", 64)
+
+    def backend(head_size: int, mla: bool) -> Any:
+        cfg = AttentionSelectorConfig(head_size, torch.bfloat16, None, None, use_mla=mla)
+        # None = no `--attention-backend` given: the platform's own default choice.
+        cls = current_platform.get_attn_backend_cls(None, cfg)  # type: ignore[arg-type]
+        return resolve_obj_by_qualname(cls)
+
+    pair = [backend(latent, True), backend(head, False)]
+    if any(all(b.supports_block_size(n) for b in pair) for n in (16, 32, 64, 128, 256)):
+        return []
+    sizes = "; ".join(f"{b.get_name()}: {b.get_supported_kernel_block_sizes()}" for b in pair)
+    return [
+        f"this machine's vLLM has no KV block size common to the MLA target's attention and "
+        f"the draft's ({sizes}): the eagle3 server would not start. vLLM serves an EAGLE-3 "
+        "draft next to an MLA target on GPUs and on CPUs with AMX, not on this CPU"
+    ]
+
+
 def preflight_launch(
-    recipe: Recipe, mode: str, draft_dir: Path | str | None = None, args: list[str] | None = None
+    recipe: Recipe,
+    mode: str,
+    draft_dir: Path | str | None = None,
+    args: list[str] | None = None,
+    local_engine: bool | None = None,
 ) -> None:
     """Refuse a server start unless `launch_problems` is empty.
 
     Args:
         args: the final argument list; default `vllm_args(recipe, mode, draft_dir)` (the
             speculative config does not depend on port, host or hidden-state folder).
+        local_engine: this process's vLLM serves (default: `serve.backend` is `process`;
+            the serve image passes True).
 
     Raises:
         ConfigError: eagle3 without a draft.
@@ -478,7 +540,9 @@ def preflight_launch(
     check_mode(mode)
     if args is None:
         args = vllm_args(recipe, mode, draft_dir)
-    problems = launch_problems(recipe, mode, args, draft_dir)
+    if local_engine is None:
+        local_engine = recipe.serve.backend == "process"
+    problems = launch_problems(recipe, mode, args, draft_dir, local_engine)
     if problems:
         what = f"an {mode} server" if mode[0] in "ae" else f"a {mode} server"
         if draft_dir is not None:

