@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shared.errors import ConfigError
 
 DType = Literal["bfloat16", "float16", "float32"]
+TargetDType = Literal["auto", "bfloat16", "float16", "float32"]
 
 #: Longest recipe name; the run id adds `-` and 8 hex digits of the recipe hash.
 MAX_NAME_CHARS = 64
@@ -63,7 +64,12 @@ class TargetConfig(Section):
         min_length=1, description="Local folder or hub id of the target model. Required."
     )
     revision: str | None = Field(None, description="Hub revision (commit or tag); None = main.")
-    dtype: DType = Field("bfloat16", description="dtype the target runs in (extract, serve).")
+    dtype: TargetDType = Field(
+        "auto",
+        description="dtype the target runs in (extract, serve). 'auto' = bfloat16 on a GPU and "
+        "on CPUs with bf16 matmul kernels (AVX-512/AMX), else float32 (an AVX2 CPU runs bf16 "
+        "matmuls several times slower than fp32); see shared.target.runtime_dtype.",
+    )
     trust_remote_code: bool = Field(
         False, description="Allow the target's own modelling code. Off unless the model needs it."
     )

@@ -218,7 +218,7 @@ def train_memory_bytes(recipe: Recipe, cfg: dict[str, Any], tokens_per_step: int
     Kimi-K2.5 at 500 tokens per step: about 20 GB (the known run measured 17.7 GB).
     """
     p = draft_param_counts(recipe, cfg)
-    wb = DTYPE_BYTES[recipe.target.dtype]
+    wb = DTYPE_BYTES.get(recipe.target.dtype, 2)  # 'auto' is bf16 on the GPU node
     h, v = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     d = recipe.draft.vocab_bound(v)
     steps = recipe.train.ttt_steps

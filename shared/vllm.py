@@ -43,7 +43,7 @@ from shared.draft import lint_draft_dir
 from shared.errors import ConfigError, ContractMismatchError
 from shared.model import model_path
 from shared.recipe import Recipe
-from shared.target import target_config
+from shared.target import runtime_dtype, target_config
 
 MODES = ("baseline", "eagle3", "extract")
 
@@ -195,7 +195,7 @@ def vllm_args(
     args = [
         "--model", model_path(recipe),
         "--served-model-name", served_model_name(recipe),
-        "--dtype", recipe.target.dtype,
+        "--dtype", runtime_dtype(recipe.target.dtype),
         "--tensor-parallel-size", str(s.tensor_parallel_size),
         "--max-model-len", str(s.max_model_len),
         "--host", host or s.host,

@@ -28,7 +28,7 @@ from shared.conventions import resolve_aux_layer_ids
 from shared.errors import ConfigError
 from shared.recipe import Recipe
 from shared.store import check_readable
-from shared.target import target_config
+from shared.target import runtime_dtype, target_config
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ class LoadSpec:
         """The spec a recipe asks for (`target.*`, `extract.*`)."""
         return cls(
             path=recipe.target.path,
-            dtype=recipe.target.dtype,
+            dtype=runtime_dtype(recipe.target.dtype, recipe.extract.device),
             device=recipe.extract.device,
             device_map=recipe.extract.device_map,
             trust_remote_code=recipe.target.trust_remote_code,

@@ -70,7 +70,7 @@ def test_kimi_recipe_settings():
         ({"train": {"lr": "fast"}}, "train.lr: must be a valid number"),
         ({"train": {"epochs": 0}}, "train.epochs: must be greater than 0 (got 0)"),
         ({"train": {"typo_lr": 1}}, "train.typo_lr: unknown key"),
-        ({"target": {"path": "/m", "dtype": "int3"}}, "target.dtype: must be 'bfloat16'"),
+        ({"target": {"path": "/m", "dtype": "int3"}}, "target.dtype: must be 'auto', 'bfloat16'"),
         ({"layers": [2, 15]}, "layers: must list exactly 3 aux layer ids, not 2 (got [2, 15])"),
         ({"layers": [2, 2, 5]}, "layers: aux layer ids must be distinct"),
         ({"bench": {"concurrency": [1, 0]}}, "bench.concurrency: must be a non-empty list"),

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from shared.errors import ConfigError
@@ -51,3 +53,40 @@ def test_multimodal_target_reads_its_text_config_rope():
     }
     assert "rope_scaling" not in cfg and cfg["head_dim"] == 7168 // 64
     assert (cfg["rms_norm_eps"], cfg["hidden_act"]) == (1e-5, "silu")
+
+
+# -- the dtype the target runs in ------------------------------------------------------------
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="needs Linux /proc/cpuinfo")
+def test_bf16_kernels_follow_the_cpu_flags():
+    """oneDNN's bf16 matmul needs AVX-512 (BW/VL/DQ) or AMX-BF16; read independently from
+    the kernel's CPU flags."""
+    from shared.target import cpu_has_bf16_kernels
+
+    flags = _cpu_flags()
+    expect = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "amx_bf16" in flags
+    assert cpu_has_bf16_kernels() == expect
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "kernels", "want"),
+    [
+        ("float16", "cpu", False, "float16"),
+        ("bfloat16", "cpu", False, "bfloat16"),  # an explicit choice is kept
+        ("auto", "cuda:1", False, "bfloat16"),
+        ("auto", "cpu", True, "bfloat16"),
+        ("auto", "cpu", False, "float32"),
+    ],
+)
+def test_runtime_dtype(monkeypatch, dtype, device, kernels, want):
+    import shared.target
+
+    monkeypatch.setattr(shared.target, "cpu_has_bf16_kernels", lambda: kernels)
+    assert shared.target.runtime_dtype(dtype, device) == want
