@@ -169,15 +169,19 @@ def test_server_rejection_is_counted(vllm_baseline, tmp_path):
 
 
 def test_wrong_model_name_stops_the_job(vllm_baseline, tmp_path):
-    """A 404 would fail every row alike: the job stops instead of counting 2 row errors."""
+    """A 404 would fail every row alike: the job stops instead of counting 2 row errors.
+
+    The tokenizer check's `/tokenize` is the first request to meet it, before any row is sent
+    (the chat client's own 404 is tests/regen/test_client.py's).
+    """
     d = vllm_baseline.recipe_dict()
     d["serve"]["served_model_name"] = "not-served"
     store, _ = store_with_dedup(d, tmp_path / "data", sharegpt_rows(2, skip=20))
-    with pytest.raises(ServiceUnavailableError, match="404 for model 'not-served'"):
+    with pytest.raises(ServiceUnavailableError, match="/tokenize: 404 for model 'not-served'"):
         _regen(store, vllm_baseline)
     assert not store.is_done("regen", 0)
-    assert not store.regen.partial_errors_path(0).read_text()
-    assert not store.regen.partial_path(0).read_text()
+    assert not store.regen.partial_errors_path(0).exists()
+    assert not store.regen.partial_path(0).exists()
 
 
 def _first_prompt(messages):
