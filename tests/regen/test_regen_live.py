@@ -203,6 +203,16 @@ def test_tokenizer_check_passes_on_real_prompts(vllm_baseline, tok, tmp_path):
     assert all(answers)
     want = sum(len(tok(a, add_special_tokens=False)["input_ids"]) for a in answers)
     assert check["text_tokens"] == want
+    from services.prep.tokenize import regen_tokenizer_checks
+
+    assert regen_tokenizer_checks(store) == {
+        "shards": 1,
+        "unchecked": 0,
+        "rows": 3,
+        "prompt_tokens": check["prompt_tokens"],
+        "text_tokens": want,
+        "rejected": 0,
+    }
 
 
 def _tokenizer_copy(smollm2_path, dest):

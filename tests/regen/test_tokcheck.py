@@ -210,3 +210,41 @@ def test_a_rejected_row_is_listed_and_the_next_compared(tok, raw):
     check = check_tokenizer(tok, rows, _client(), "/models/smol", httpx.MockTransport(handler))
     assert check.rows == ["data:0", "data:2", "data:3"]
     assert len(check.rejected) == 1 and check.rejected[0].startswith("data:1: 400 ")
+
+
+def test_prep_stats_sums_the_shards_checks(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from services.prep.cli import cmd_prep_stats
+    from services.prep.tokenize import regen_tokenizer_checks
+    from shared.artifacts import RunStore
+    from shared.recipe import resolve_recipe
+
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path))
+    recipe = resolve_recipe(
+        {"name": "t", "target": {"path": "/m"}, "datasets": [{"path": "/d.jsonl"}]}
+    )
+    store = RunStore.create(recipe)
+    assert regen_tokenizer_checks(store) is None
+    checks = [
+        {"server": "u", "rows": ["a:0", "a:1", "a:2"], "prompt_tokens": 100, "text_tokens": 30,
+         "rejected": []},
+        {"server": "u", "rows": ["a:7"], "prompt_tokens": 11, "text_tokens": 5,
+         "rejected": ["a:5: 400 x", "a:6: 400 y"]},
+    ]  # fmt: skip
+    for shard, check in enumerate(checks):
+        store.write_manifest("regen", shard, {"input": 1}, extra={"tokenizer_check": check})
+    store.write_manifest("regen", 2, {"input": 1})  # a shard finished before the check existed
+    assert regen_tokenizer_checks(store) == {
+        "shards": 3,
+        "unchecked": 1,
+        "rows": 4,
+        "prompt_tokens": 111,
+        "text_tokens": 35,
+        "rejected": 2,
+    }
+    assert cmd_prep_stats(argparse.Namespace(run=store.run_id, json=False)) == 0
+    assert (
+        "regen tokenizer check (local vs the server's /tokenize): 4 conversations equal "
+        "(111 prompt + 35 text tokens) in 2 of 3 shards; 2 prompts rejected by the server"
+    ) in capsys.readouterr().out
