@@ -189,6 +189,8 @@ def _first_prompt(messages):
 
 
 def test_tokenizer_check_passes_on_real_prompts(vllm_baseline, tok, tmp_path):
+    from services.prep.tokenize import regen_tokenizer_checks
+
     d = _recipe_dict(vllm_baseline, max_tokens=4, max_turns=1, max_prompt_tokens=2000)
     store, _ = store_with_dedup(d, tmp_path / "data", sharegpt_rows(4, skip=100))
     convs = store.dedup.conversations(0)
@@ -203,8 +205,6 @@ def test_tokenizer_check_passes_on_real_prompts(vllm_baseline, tok, tmp_path):
     assert all(answers)
     want = sum(len(tok(a, add_special_tokens=False)["input_ids"]) for a in answers)
     assert check["text_tokens"] == want
-    from services.prep.tokenize import regen_tokenizer_checks
-
     assert regen_tokenizer_checks(store) == {
         "shards": 1,
         "unchecked": 0,
