@@ -1,7 +1,8 @@
 """`eyrie prep-stats RUN`: a run's samples, tokens, assistant tokens, and counted reasons.
 
 Per dataset: samples, tokens, assistant tokens. Per stage: every counted reason
-(quarantined rows, dropped samples, template and server round-trip failures).
+(quarantined rows, dropped samples, template and server round-trip failures). With regen: what
+its tokenizer check compared (`services.regen.tokcheck`).
 
 Registered through the `eyrie.commands` entry points. Imports stay inside the command (the
 CLI must not import transformers or torch on --help).
@@ -14,7 +15,7 @@ import json
 
 
 def cmd_prep_stats(args: argparse.Namespace) -> int:
-    from services.prep.tokenize import run_reasons, run_stats
+    from services.prep.tokenize import regen_tokenizer_checks, run_reasons, run_stats
     from shared.artifacts import RunStore
     from shared.errors import ConfigError
     from shared.recipe import check_run_id
@@ -22,7 +23,11 @@ def cmd_prep_stats(args: argparse.Namespace) -> int:
     store = RunStore(check_run_id(args.run))
     if not store.exists():
         raise ConfigError(f"run {args.run!r}: no such run under {store.root.parent}")
-    stats = {**run_stats(store), "reasons": run_reasons(store)}
+    stats = {
+        **run_stats(store),
+        "reasons": run_reasons(store),
+        "regen_tokenizer_check": regen_tokenizer_checks(store),
+    }
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -38,6 +43,14 @@ def cmd_prep_stats(args: argparse.Namespace) -> int:
     for src, reasons in sorted(stats["skipped_by_source"].items()):
         shown = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
         print(f"  {src}: skipped in prep: {shown}")
+    check = stats["regen_tokenizer_check"]
+    if check is not None:
+        print(
+            f"regen tokenizer check (local vs the server's /tokenize): {check['rows']} "
+            f"conversations equal ({check['prompt_tokens']} prompt + {check['text_tokens']} "
+            f"text tokens) in {check['shards'] - check['unchecked']} of {check['shards']} "
+            f"shards; {check['rejected']} prompts rejected by the server"
+        )
     print("reasons (counted, per stage):")
     for stage, counts in stats["reasons"].items():
         print(f"  {stage}: " + ("none" if not counts else ""))

@@ -366,6 +366,34 @@ def run_stats(store: Any) -> dict[str, Any]:
     return total
 
 
+def regen_tokenizer_checks(store: Any) -> dict[str, int] | None:
+    """The regen shards' tokenizer checks (local vs the server's `/tokenize`), summed.
+
+    Returns:
+        `{shards, unchecked, rows, prompt_tokens, text_tokens, rejected}` over the finished
+        regen shards (`unchecked`: shards whose manifest has no check, i.e. made before it
+        existed), or None when no regen shard has finished. A shard whose check failed has
+        no manifest: it is not here.
+    """
+    manifests = store.manifests("regen")
+    if not manifests:
+        return None
+    out = dict.fromkeys(
+        ("shards", "unchecked", "rows", "prompt_tokens", "text_tokens", "rejected"), 0
+    )
+    for m in manifests:
+        check = m.extra.get("tokenizer_check")
+        out["shards"] += 1
+        if check is None:
+            out["unchecked"] += 1
+            continue
+        out["rows"] += len(check["rows"])
+        out["rejected"] += len(check["rejected"])
+        out["prompt_tokens"] += check["prompt_tokens"]
+        out["text_tokens"] += check["text_tokens"]
+    return out
+
+
 #: Tokenize report counts that are totals or settings, not reasons.
 _NOT_REASONS = frozenset(
     {"samples", "tokens", "assistant_tokens", "kept", "rows_in", "max_len_tokens"}

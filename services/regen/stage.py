@@ -4,6 +4,10 @@ Runs on rq queue `regen` while the baseline server is up (the stage declares it)
 `dedup/shard-N.jsonl`; writes `regen/shard-N.jsonl` (successes) and `shard-N.errors.jsonl`
 (errors and skips), both sorted by row (`shared.artifacts.RegenArtifacts`).
 
+Before generating, the shard's first conversations are tokenized locally and by the server's
+`/tokenize`; a difference refuses the shard (`services.regen.tokcheck`), a match is recorded
+in the manifest (`extra.tokenizer_check`).
+
 Invariants:
 - durability per row: each outcome is appended to the shard's resume files and fsynced
   before the next is counted; a resumed job skips every row found there and drops a torn
@@ -27,6 +31,7 @@ from typing import IO
 from services.regen.client import ChatClient
 from services.regen.conversation import ERROR, SKIPPED, SUCCESS, Outcome, Regenerator
 from services.regen.quality import AnswerPolicy
+from services.regen.tokcheck import TokenizerCheck, check_tokenizer
 from shared.errors import ArtifactError, ServiceUnavailableError
 from shared.recipe import Recipe
 from shared.records import Conversation, RegenFailure, RegenRecord
@@ -116,6 +121,19 @@ def make_client(recipe: Recipe, base_url: str) -> ChatClient:
         r.max_retries,
         api_key=api_key(),
     )
+
+
+def tokenizer_check(recipe: Recipe, rows: list[Conversation], client: ChatClient) -> TokenizerCheck:
+    """The shard's check of the local tokenizer against the server's `/tokenize`.
+
+    Raises:
+        ConfigError: the two tokenize differently (`services.regen.tokcheck`).
+        ServiceUnavailableError: the server cannot be reached.
+    """
+    from shared.tokenizer import load_tokenizer
+
+    t = recipe.target
+    return check_tokenizer(load_tokenizer(recipe), rows, client, t.tokenizer or t.path)
 
 
 def answer_policy(recipe: Recipe) -> tuple[AnswerPolicy, int]:
@@ -267,6 +285,7 @@ def regen_stage(ctx: StageContext) -> ShardResult:
 
     Raises:
         ArtifactError: missing inputs, or broken accounting.
+        ConfigError: the local tokenizer does not tokenize as the server does.
         ServiceUnavailableError: the server stayed down through the retries (rerun resumes).
     """
     store, recipe, shard = ctx.store, ctx.recipe, ctx.shard
@@ -276,6 +295,7 @@ def regen_stage(ctx: StageContext) -> ShardResult:
     done = {r.row for r in ok} | {r.row for r in bad}
     todo = [(i, row) for i, row in rows if i not in done]
     client = make_client(recipe, ctx.server_url("baseline"))
+    check = tokenizer_check(recipe, [row for _, row in rows], client)
     policy, attempts = answer_policy(recipe)
     # Draws at temperature 0 repeat each other: one per conversation.
     samples = recipe.regen.samples_per_prompt if recipe.regen.temperature > 0 else 1
@@ -307,7 +327,7 @@ def regen_stage(ctx: StageContext) -> ShardResult:
     # The finished files now hold everything the resume files held (a job killed before
     # its manifest resumes from them).
     art.remove_partial(shard)
-    return ShardResult(dict(counts), files)
+    return ShardResult(dict(counts), files, {"tokenizer_check": check.record()})
 
 
 async def _run(

@@ -2,7 +2,8 @@
 
 `services.regen.client.ChatClient` uses the `openai` SDK and its retries. The server below
 is a real `http.server` on a free local port that answers each request from a script (status,
-headers, body) and records what it received; nothing of the SDK is replaced. Policy checked:
+headers, body) and records what it received; nothing of the SDK is replaced. It answers
+`/tokenize` (the regen stage's tokenizer check) as a vLLM server of SmolLM2 would. Policy checked:
 - 429 is retried and its `Retry-After` honoured (the wait is measured between requests);
 - 5xx, 408, 409 and connection failures are retried, `regen.max_retries` times, then the
   server is down: `ServiceUnavailableError` (the job fails and a rerun resumes);
@@ -18,6 +19,7 @@ fails without a manifest when the server stays down.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -78,6 +80,34 @@ class ScriptedServer:
     delay_s: float = 0.0
     url: str = ""
     healthy: bool = False
+    tokenized: list[dict[str, Any]] = field(default_factory=list)
+
+
+@functools.cache
+def _smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from tests.conftest import cache_root
+
+    return AutoTokenizer.from_pretrained(str(cache_root() / "models" / "SmolLM2-135M-Instruct"))
+
+
+def smollm2_tokenize(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `/tokenize` answer for a server of SmolLM2 (chat or plain-text request)."""
+    tok = _smollm2_tokenizer()
+    if "messages" in body:
+        text = tok.apply_chat_template(
+            body["messages"],
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **(body.get("chat_template_kwargs") or {}),
+        )
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tok(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))[
+            "input_ids"
+        ]
+    return {"count": len(ids), "max_model_len": 2048, "tokens": ids}
 
 
 @pytest.fixture
@@ -98,6 +128,10 @@ def serve() -> Iterator[Callable[..., ScriptedServer]]:
             def do_POST(self):  # noqa: N802 (http.server's name)
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 body = json.loads(raw or b"{}")
+                if self.path == "/tokenize":
+                    state.tokenized.append(body)
+                    self._send(200, {}, smollm2_tokenize(body))
+                    return
                 with lock:
                     n = len(state.requests)
                     state.requests.append(
@@ -110,7 +144,9 @@ def serve() -> Iterator[Callable[..., ScriptedServer]]:
                     )
                 if state.delay_s:
                     time.sleep(state.delay_s)
-                status, headers, reply = state.script(n, body)
+                self._send(*state.script(n, body))
+
+            def _send(self, status: int, headers: dict[str, str], reply: Any) -> None:
                 data = json.dumps(reply).encode()
                 try:
                     self.send_response(status)
@@ -348,6 +384,9 @@ def test_stage_counts_a_rejected_row_and_keeps_the_others(serve, smollm2_path, t
         assert r.messages[-1].content == f"answer to {rows[r.row]}"
         assert r.turns[0].prompt_token_ids == [1, 2, 3]
     assert len(srv.requests) == 3  # the rejection was not retried
+    # Before generating, the three prompts and their answers were tokenized by the server.
+    ids = [c.id for c in store.dedup.conversations(0)]
+    assert m.extra["tokenizer_check"]["rows"] == ids and len(srv.tokenized) == 6
 
 
 def test_stage_counts_a_slow_row_on_a_healthy_server_and_keeps_the_others(

@@ -10,6 +10,11 @@ The regen stage reads `dedup/shard-00000.jsonl`, made by the real plan → prep 
   prompt tokens;
 - a prompt longer than max-model-len is a counted server rejection, not a failure;
 - a wrong model name (404) stops the job instead of failing every row;
+- the tokenizer check before generating passes on real prompts (recorded in the manifest),
+  and refuses the shard, before any row is sent, when the local tokenizer differs from the
+  server's: a chat template with another default system prompt (prompt ids differ), or a
+  tokenizer.json whose ids of two words are swapped (same vocabulary size, same strings;
+  on these rows the first prompt has neither word and its answer text differs);
 - the server is SIGKILLed mid-shard: the job fails without a manifest, keeps what it
   wrote; after a restart it resumes, sends only the remaining rows (checked on the new
   server's own request counter) and completes with exact accounting.
@@ -24,7 +29,7 @@ import time
 import httpx
 import pytest
 
-from shared.errors import ServiceUnavailableError
+from shared.errors import ConfigError, ServiceUnavailableError
 from tests.conftest import run_stage
 from tests.regen.realdata import sharegpt_rows, source_row, store_with_dedup
 
@@ -164,15 +169,120 @@ def test_server_rejection_is_counted(vllm_baseline, tmp_path):
 
 
 def test_wrong_model_name_stops_the_job(vllm_baseline, tmp_path):
-    """A 404 would fail every row alike: the job stops instead of counting 2 row errors."""
+    """A 404 would fail every row alike: the job stops instead of counting 2 row errors.
+
+    The tokenizer check's `/tokenize` is the first request to meet it, before any row is sent
+    (the chat client's own 404 is tests/regen/test_client.py's).
+    """
     d = vllm_baseline.recipe_dict()
     d["serve"]["served_model_name"] = "not-served"
     store, _ = store_with_dedup(d, tmp_path / "data", sharegpt_rows(2, skip=20))
-    with pytest.raises(ServiceUnavailableError, match="404 for model 'not-served'"):
+    with pytest.raises(ServiceUnavailableError, match="/tokenize: 404 for model 'not-served'"):
         _regen(store, vllm_baseline)
     assert not store.is_done("regen", 0)
-    assert not store.regen.partial_errors_path(0).read_text()
-    assert not store.regen.partial_path(0).read_text()
+    assert not store.regen.partial_errors_path(0).exists()
+    assert not store.regen.partial_path(0).exists()
+
+
+def _first_prompt(messages):
+    return messages[: next(i for i, m in enumerate(messages) if m["role"] == "assistant")]
+
+
+def test_tokenizer_check_passes_on_real_prompts(vllm_baseline, tok, tmp_path):
+    from services.prep.tokenize import regen_tokenizer_checks
+
+    d = _recipe_dict(vllm_baseline, max_tokens=4, max_turns=1, max_prompt_tokens=2000)
+    store, _ = store_with_dedup(d, tmp_path / "data", sharegpt_rows(4, skip=100))
+    convs = store.dedup.conversations(0)
+    m = _regen(store, vllm_baseline)
+    check = m.extra["tokenizer_check"]
+    assert check["server"] == f"{vllm_baseline.url}/tokenize" and check["rejected"] == []
+    assert check["rows"] == [c.id for c in convs[:3]]
+    want = sum(len(_local_prompt_ids(tok, _first_prompt(c.chat_messages()))) for c in convs[:3])
+    assert check["prompt_tokens"] == want
+    # The text compared is each conversation's first (dataset) answer.
+    answers = [next(m.content for m in c.messages if m.role == "assistant") for c in convs[:3]]
+    assert all(answers)
+    want = sum(len(tok(a, add_special_tokens=False)["input_ids"]) for a in answers)
+    assert check["text_tokens"] == want
+    assert regen_tokenizer_checks(store) == {
+        "shards": 1,
+        "unchecked": 0,
+        "rows": 3,
+        "prompt_tokens": check["prompt_tokens"],
+        "text_tokens": want,
+        "rejected": 0,
+    }
+
+
+def _tokenizer_copy(smollm2_path, dest):
+    import shutil
+
+    dest.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_path / name, dest / name)
+    return dest
+
+
+def _refused(vllm_baseline, tmp_path, tokenizer_dir):
+    """Run regen with `target.tokenizer` = `tokenizer_dir`; return the message, row ids."""
+    d = _recipe_dict(vllm_baseline, max_tokens=4, max_turns=1, max_prompt_tokens=2000)
+    d["target"]["tokenizer"] = str(tokenizer_dir)
+    store, _ = store_with_dedup(d, tmp_path / "data", sharegpt_rows(3, skip=100))
+    convs = store.dedup.conversations(0)
+    before = _requests_served(vllm_baseline)
+    with pytest.raises(ConfigError) as e:
+        _regen(store, vllm_baseline)
+    # Refused before generating: no row sent, none written.
+    assert _requests_served(vllm_baseline) == before
+    assert not store.is_done("regen", 0) and not store.regen.partial_path(0).exists()
+    msg = str(e.value)
+    assert "\n" not in msg and f"target.tokenizer {str(tokenizer_dir)!r}" in msg
+    assert "chat_template" in msg and "target.revision" in msg
+    return msg, convs
+
+
+def test_a_different_chat_template_is_refused(vllm_baseline, smollm2_path, tmp_path):
+    from tokenizers import Tokenizer
+
+    folder = _tokenizer_copy(smollm2_path, tmp_path / "tok")
+    template = folder / "chat_template.jinja"
+    text = template.read_text()
+    assert "named SmolLM," in text
+    template.write_text(text.replace("named SmolLM,", "named Eyrie,"))
+    msg, convs = _refused(vllm_baseline, tmp_path, folder)
+    # The ids part where the default system prompt names the assistant.
+    raw = Tokenizer.from_file(str(smollm2_path / "tokenizer.json"))
+    head = "<|im_start|>system\nYou are a helpful AI assistant named"
+    k = len(raw.encode(head, add_special_tokens=False).ids)
+    local, server = (raw.encode(w, add_special_tokens=False).ids[0] for w in (" Eyrie", " SmolLM"))
+    assert f"row {convs[0].id}, prompt: first difference at token {k} " in msg
+    assert f"local {local} {raw.id_to_token(local)!r} vs server {server} " in msg
+
+
+def test_a_tokenizer_with_other_ids_is_refused(vllm_baseline, smollm2_path, tok, tmp_path):
+    folder = _tokenizer_copy(smollm2_path, tmp_path / "tok")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    the, of = vocab["Ġthe"], vocab["Ġof"]
+    vocab["Ġthe"], vocab["Ġof"] = of, the
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    msg, convs = _refused(vllm_baseline, tmp_path, folder)
+    # The first conversation's prompt differs where it holds either word; a prompt without
+    # them (this shard's first) passes, and its answer-like text (the dataset's first answer)
+    # differs.
+    first = convs[0].chat_messages()
+    server_ids = _local_prompt_ids(tok, _first_prompt(first))
+    what = "prompt"
+    if not {the, of} & set(server_ids):
+        what = "plain text"
+        answer = next(m["content"] for m in first if m["role"] == "assistant")
+        server_ids = tok(answer, add_special_tokens=False)["input_ids"]
+    k = next(i for i, x in enumerate(server_ids) if x in (the, of))
+    word = tok.convert_ids_to_tokens(server_ids[k])
+    local = of if server_ids[k] == the else the
+    assert f"row {convs[0].id}, {what}: first difference at token {k} " in msg
+    assert f"local {local} {word!r} vs server {server_ids[k]} {word!r}" in msg
 
 
 def test_kill_server_mid_shard_then_resume(vllm_baseline, tmp_path):
