@@ -135,7 +135,12 @@ def test_regenerate_20_real_conversations(vllm_baseline, tok, tmp_path):
         for k, turn in enumerate(rec["turns"]):
             n_turns += 1
             tids, text = turn["completion_token_ids"], rec["messages"][asst[k]]["content"]
-            assert tok.decode(tids, skip_special_tokens=True) == text
+            decoded = tok.decode(tids, skip_special_tokens=True)
+            if turn["finish_reason"] == "length":
+                # Cut mid-character (an emoji's first byte tokens): vLLM's incremental
+                # detokenizer withholds the incomplete bytes, a plain decode shows U+FFFD.
+                decoded = decoded.rstrip("\ufffd")
+            assert decoded == text
             assert (tids[-1] == EOS) == (turn["finish_reason"] == "stop")
             prefix = rec["messages"][: asst[k]]
             assert turn["prompt_token_ids"] == _local_prompt_ids(tok, prefix)
