@@ -17,22 +17,24 @@ Prints tokens/s of each, the ratio eyrie / minimal (goal >= 0.95), and the peak 
 process.
 
 Two more modes run at the CPU demo's own settings (recipes/smollm2-135m-cpu.yaml: 2048
-tokens per step, bf16, TTT 3, draft vocab 8192), on its data made by the same stages (regen
-off: no vLLM here, so the dataset's answers, cut to `--max-len` tokens):
+tokens per step, precision auto, TTT 3, draft vocab 8192), on its data made by the same
+stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` tokens):
 - `--profile`: one packed step of real samples at each size T in `--lengths`: seconds of
   forward and backward, the share of self time in attention (sdpa and the dense mask), and
   the step as micro-batches of `--micro` tokens (the same gradient, services.train.memory).
 - `--stage`: the whole train stage (`Trainer.run`: every epoch's steps, validation with
-  simulated τ, checkpoints) under the demo's settings before (`--old`) and after (`--new`)
-  this benchmark's change, alternating old, new, old, new in one process; prints per run
-  the wall time and its split (steps, validation, checkpoints), tokens/s, the final
-  validation loss and offline (simulated) τ, and the wall-time ratio.
+  simulated τ, checkpoints) under the demo's settings before (`--old` overrides, default
+  `OLD`: one micro-batch per step; the loss also scores every row, `score_every_row`) and
+  after (`--new`), alternating old, new, old, new in one process; prints per run the wall
+  time and its split (steps, validation, checkpoints), tokens/s, the final validation loss
+  and offline (simulated) τ, and the wall-time ratio. `--train-samples N` trains on the
+  first N samples only (the held-out ones stay), to keep it short on 2 cores.
 
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
        .venv/bin/python scripts/bench_train.py --profile [--lengths 256 512 1024 2048]
        .venv/bin/python scripts/bench_train.py --stage [--epochs 2] [--pairs 2]
-       [--old train.micro_tokens=2048] [--new train.micro_tokens=256]
+       [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
        (`--data DIR` keeps the extracted data between invocations)
 """
 
