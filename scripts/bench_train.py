@@ -16,8 +16,26 @@ time of all timed rounds.
 Prints tokens/s of each, the ratio eyrie / minimal (goal >= 0.95), and the peak RSS of the
 process.
 
+Two more modes run at the CPU demo's own settings (recipes/smollm2-135m-cpu.yaml: 2048
+tokens per step, precision auto, TTT 3, draft vocab 8192), on its data made by the same
+stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` tokens):
+- `--profile`: one packed step of real samples at each size T in `--lengths`: seconds of
+  forward and backward, the share of self time in attention (sdpa and the dense mask), and
+  the step as micro-batches of `--micro` tokens (the same gradient, services.train.memory).
+- `--stage`: the whole train stage (`Trainer.run`: every epoch's steps, validation with
+  simulated τ, checkpoints) under the demo's settings before (`--old` overrides, default
+  `OLD`: one micro-batch per step; the loss also scores every row, `score_every_row`) and
+  after (`--new`), alternating old, new, old, new in one process; prints per run the wall
+  time and its split (steps, validation, checkpoints), tokens/s, the final validation loss
+  and offline (simulated) τ, and the wall-time ratio. `--train-samples N` trains on the
+  first N samples only (the held-out ones stay), to keep it short on 2 cores.
+
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
+       .venv/bin/python scripts/bench_train.py --profile [--lengths 256 512 1024 2048]
+       .venv/bin/python scripts/bench_train.py --stage [--epochs 2] [--pairs 2]
+       [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
+       (`--data DIR` keeps the extracted data between invocations)
 """
 
 from __future__ import annotations
@@ -44,6 +62,8 @@ from scripts.benchdata import (  # noqa: E402
 
 #: The input stages the trainer reads, run before the timing.
 INPUT_STAGES = ["plan", "prep", "dedup", "split", "tokenize", "vocab", "extract"]
+#: The CPU demo's recipe: `--profile` and `--stage` train at its settings.
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-cpu.yaml"
 
 
 def bench_recipe(args: argparse.Namespace) -> Any:
@@ -74,6 +94,216 @@ def bench_recipe(args: argparse.Namespace) -> Any:
             },
         }
     )
+
+
+#: `--stage`'s old settings (recipe overrides of the demo recipe; the old side's loss also
+#: scores every row, `score_every_row`) and its new ones.
+OLD: list[str] = ["train.micro_tokens=2048"]
+NEW: list[str] = []
+
+
+def demo_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -> Any:
+    """The demo recipe with inputs this machine can make: regen off (no vLLM), the dataset's
+    answers cut to `--max-len` tokens, `--samples` rows, `--epochs` epochs, extraction on
+    CPU in fp32 (`services.train.runtime.cpu_has_bf16_kernels`: bf16 matmuls crawl on an
+    AVX2 CPU; the hidden states are still stored in bf16, `extract.dtype`)."""
+    import yaml
+
+    from shared.recipe import apply_overrides, resolve_recipe
+
+    data = apply_overrides(
+        yaml.safe_load(DEMO_RECIPE.read_text()),
+        [
+            "regen.enabled=false",
+            f"prep.max_len_tokens={args.max_len}",
+            f"datasets.0.max_samples={args.samples}",
+            "extract.device=cpu",
+            "target.dtype=float32",
+            f"train.epochs={args.epochs}",
+        ],
+    )
+    return resolve_recipe(data, overrides)
+
+
+def demo_inputs(args: argparse.Namespace, root: Path) -> Any:
+    """The demo's train inputs under `root` (kept: a finished shard is not run again)."""
+    from shared.artifacts import RunStore
+
+    store = RunStore.create(demo_recipe(args), root=root)
+    run_stages(store, INPUT_STAGES)
+    return store
+
+
+class Clock:
+    """Seconds spent in named methods of one object (wrapped in place, for this bench)."""
+
+    def __init__(self, obj: Any, names: list[str]):
+        self.s = dict.fromkeys(names, 0.0)
+        for name in names:
+            setattr(obj, name, self._timed(name, getattr(obj, name)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s[name] += time.perf_counter() - t0
+
+        return run
+
+
+def stage_run(recipe: Any, store: Any, train_samples: int | None) -> dict[str, Any]:
+    """Run the whole train stage's loop (`Trainer.run`) from scratch; time it and its parts.
+
+    Returns:
+        `{"wall_s", "step_s", "validate_s", "save_s", "tokens", "tokens_per_s",
+        "step_tokens_per_s" (median of the steps), "tau", "val_loss", "micro_tokens"}`.
+    """
+    import shutil
+    import statistics
+
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer
+
+    shutil.rmtree(store.train.dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    index = index_samples(store)
+    index.train = index.train[:train_samples]
+    trainer = Trainer(recipe, store, index)
+    clock = Clock(trainer, ["train_step", "validate", "save"])
+    result = trainer.run()
+    wall = time.perf_counter() - t0
+    steps = [r for r in trainer.log.read() if r.get("kind") == "step"]
+    tokens = sum(r["tokens"] for r in steps)
+    last = result.state.validations[-1]
+    return {
+        "wall_s": wall,
+        "step_s": clock.s["train_step"],
+        "validate_s": clock.s["validate"],
+        "save_s": clock.s["save"],
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "step_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+        "tau": last["tau"],
+        "val_loss": last["val_loss"],
+        "micro_tokens": trainer.micro_tokens,
+    }
+
+
+def score_every_row() -> None:
+    """Make the loss compute logits at every position, as it did before
+    `services.train.loss.scored_rows` (the old side of `--stage`, or `--all-rows`)."""
+    import torch
+
+    from services.train import loss
+
+    def every_row(mask: torch.Tensor, prev_correct: torch.Tensor) -> torch.Tensor:
+        return torch.arange(len(mask), device=mask.device)
+
+    loss.scored_rows = every_row
+
+
+def stage_main(args: argparse.Namespace, root: Path) -> None:
+    """`--stage`: the demo's train stage, old settings vs new, alternating (module docstring)."""
+    store = demo_inputs(args, root)
+    # The inputs are made once, for the demo recipe at --epochs; each side trains on them.
+    variants = {"old": demo_recipe(args, args.old), "new": demo_recipe(args, args.new)}
+    print(f"old: {' '.join(args.old) or '(the recipe)'}\nnew: {' '.join(args.new)}")
+    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    from services.train import loss
+
+    rows = {"new": loss.scored_rows}
+    score_every_row()
+    rows["old"] = loss.scored_rows
+    for p in range(args.pairs):
+        for name, recipe in variants.items():
+            loss.scored_rows = rows[name]
+            r = stage_run(recipe, store, args.train_samples)
+            runs[name].append(r)
+            print(
+                f"pair {p + 1} {name}: wall {r['wall_s']:7.1f} s (steps {r['step_s']:6.1f}, "
+                f"validation {r['validate_s']:5.1f}, checkpoints {r['save_s']:4.1f}), "
+                f"{r['tokens_per_s']:6.1f} tok/s overall, {r['step_tokens_per_s']:6.1f} per "
+                f"step (median), micro_tokens {r['micro_tokens']}, val loss "
+                f"{r['val_loss']:.4f}, offline tau {r['tau']:.3f}",
+                flush=True,
+            )
+    wall = {k: sum(r["wall_s"] for r in v) for k, v in runs.items()}
+    tok = {k: sum(r["tokens"] for r in v) for k, v in runs.items()}
+    print(f"\n{'':4} {'wall s':>8} {'tok/s':>8} {'val loss':>9} {'tau':>6}")
+    for k in runs:
+        print(
+            f"{k:4} {wall[k] / args.pairs:8.1f} {tok[k] / wall[k]:8.1f} "
+            f"{runs[k][-1]['val_loss']:9.4f} {runs[k][-1]['tau']:6.3f}"
+        )
+    print(f"speedup old / new wall time: {wall['old'] / wall['new']:.2f}x (goal >= 2)")
+
+
+def profile_main(args: argparse.Namespace, root: Path) -> None:
+    """`--profile`: forward/backward seconds and attention share of one packed step per T."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.train.loss import step_denominators
+    from services.train.packing import collate
+    from services.train.runtime import cpu_has_bf16_kernels
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer
+
+    store = demo_inputs(args, root)
+    recipe = demo_recipe(args, [f"train.tokens_per_step={max(args.lengths)}", *args.new])
+    if args.all_rows:
+        score_every_row()
+    trainer = Trainer(recipe, store, index_samples(store))
+    samples = [trainer.read(r) for r in trainer.train_refs]
+    print(
+        f"threads {torch.get_num_threads()}, precision {recipe.train.precision}, CPU "
+        f"{torch.backends.cpu.get_cpu_capability()}, bf16 kernels {cpu_has_bf16_kernels()}"
+    )
+    for dtype in (torch.float32, torch.bfloat16):  # a draft MLP matmul at 512 tokens
+        a, b = torch.randn(512, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        t0 = time.perf_counter()
+        a @ b
+        print(f"[512, 576] @ [576, 1536] in {dtype}: {time.perf_counter() - t0:.3f} s")
+    for size in args.lengths:
+        step, n = [], 0
+        for s in samples:
+            if n + len(s.input_ids) > size:
+                break
+            step.append(s)
+            n += len(s.input_ids)
+        batch = trainer.to_device(collate(step, size))
+        denoms = step_denominators(batch["loss_mask"], recipe.train.ttt_steps)
+        fwd = bwd = 0.0
+        for _ in range(2):  # the first is a warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                loss, _ = trainer.forward(batch, denoms)
+                t1 = time.perf_counter()
+                loss.backward()
+                fwd, bwd = t1 - t0, time.perf_counter() - t1
+            trainer.optimizer.zero_grad(set_to_none=True)
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        attn = sum(
+            e.self_cpu_time_total
+            for e in events
+            if "attention" in e.key or "mask" in e.key or "vmap" in e.key
+        )
+        line = (
+            f"T {n:5d} ({len(step):2d} samples): forward {fwd:5.2f} s, backward {bwd:5.2f} s, "
+            f"{n / (fwd + bwd):6.0f} tok/s, attention+mask {attn / total:4.0%} of self time"
+        )
+        for micro in args.micro:
+            if micro < n:
+                trainer.state.micro_tokens = micro
+                t0 = time.perf_counter()
+                trainer.step_loss(step, train=True)
+                dt = time.perf_counter() - t0
+                line += f"; micro {micro}: {dt:5.2f} s, {n / dt:6.0f} tok/s"
+        trainer.state.micro_tokens = None
+        print(line, flush=True)
 
 
 def minimal_step_s(model, opt, batch, cfg, loss_config) -> float:
@@ -112,7 +342,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens-per-step", type=int, default=384)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--profile", action="store_true", help="the demo's step, by length")
+    ap.add_argument("--stage", action="store_true", help="the demo's train stage, old vs new")
+    ap.add_argument("--data", type=Path, help="keep the demo's inputs here (else a temp dir)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    ap.add_argument("--micro", type=int, nargs="*", default=[256, 512])
+    ap.add_argument("--old", nargs="*", default=OLD, help="recipe overrides of the old run")
+    ap.add_argument("--train-samples", type=int, help="--stage: train on the first N only")
+    ap.add_argument("--all-rows", action="store_true", help="--profile the old loss")
+    ap.add_argument("--new", nargs="*", default=NEW, help="recipe overrides of the new run")
     args = ap.parse_args()
+    if args.profile or args.stage:
+        if args.samples == 32:
+            args.samples = 128
+        if args.max_len == 160:
+            args.max_len = 256
+        with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+            (profile_main if args.profile else stage_main)(args, args.data or Path(tmp))
+        return
 
     import torch
 

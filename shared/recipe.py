@@ -343,8 +343,10 @@ class TrainConfig(Section):
         None,
         gt=0,
         description="Tokens per forward/backward; a step above it is accumulated over whole "
-        "samples. None = the largest power-of-two fraction of tokens_per_step that the memory "
-        "model fits in the device's free memory (halved again on out-of-memory).",
+        "samples (the same gradient). None = the largest power-of-two fraction of "
+        "tokens_per_step that the memory model fits in the device's free memory, and on CPU "
+        "at most 512 (its dense attention mask makes a long packed row cost ~n^2); halved "
+        "again on out-of-memory.",
     )
     val_max_samples: int | None = Field(
         2000,
@@ -369,7 +371,9 @@ class TrainConfig(Section):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
         description="Compute precision: 'bf16' autocast, 'fp32', or 'auto' = bf16 autocast on "
-        "CUDA and fp32 on CPU. Master weights and optimizer state stay fp32.",
+        "CUDA and on CPUs with bf16 matmul kernels (AVX-512 or AMX), else fp32 (an AVX2 CPU "
+        "runs bf16 matmuls tens of times slower than fp32). Master weights and optimizer "
+        "state stay fp32.",
     )
 
 

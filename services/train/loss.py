@@ -221,6 +221,28 @@ def _captured_head(draft: Any) -> Iterator[_CaptureHead]:
         draft.lm_head = head
 
 
+def scored_rows(mask: torch.Tensor, prev_correct: torch.Tensor) -> torch.Tensor:
+    """Positions of one TTT step whose draft logits change the loss or a metric.
+
+    A position p of step j counts when its target p+j is trainable (`mask`, weight > 0) or
+    its greedy chain is still alive (`prev_correct`, the conditional accuracy's
+    denominator). Elsewhere the loss weight is 0 (no loss, no gradient) and the chain is
+    already broken, so skipping those rows leaves the loss, the gradients and every metric
+    as they are: on chat data most positions are prompt tokens (loss mask 0), and their
+    `[positions, draft_vocab]` logits are most of the loss's work.
+
+    Args:
+        mask: bool `[n]`, the loss mask at the step's targets (`loss_mask[j:]`).
+        prev_correct: bool `[n]`, speculators' `prev_correct` for the step's positions.
+
+    Returns:
+        int64 `[r]` position indices, ascending.
+    """
+    import torch
+
+    return torch.nonzero(mask | prev_correct).squeeze(1)
+
+
 def ttt_loss(
     model: Any,
     batch: dict[str, torch.Tensor],
@@ -272,13 +294,19 @@ def ttt_loss(
     for j in range(ttt_steps):
         h = cap.inputs[j][0, : n - j]
         m = mask[0, j:]
-        wdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        weight = m.to(wdtype) * (decay**j / denoms[j])
-        s_loss, pred, teach = chunked_kl(
-            h, w, teacher_h[j:], tw, weight, chunk_tokens, mm_dtype or h.dtype
-        )
-        loss = s_loss if loss is None else loss + s_loss
         prev = prev_correct[: n - j]
+        rows = scored_rows(m, prev)
+        wdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+        weight = m[rows].to(wdtype) * (decay**j / denoms[j])
+        s_loss, pred_r, teach_r = chunked_kl(
+            h[rows], w, teacher_h[j:][rows], tw, weight, chunk_tokens, mm_dtype or h.dtype
+        )
+        # Rows left out have `prev` False, so their (never equal) placeholders change no
+        # metric.
+        pred = torch.full((n - j,), -1, dtype=torch.long, device=mask.device)
+        teach = torch.full((n - j,), -2, dtype=torch.long, device=mask.device)
+        pred[rows], teach[rows] = pred_r, teach_r
+        loss = s_loss if loss is None else loss + s_loss
         cond_total = prev.sum().float()
         correct = torch.logical_and(prev, pred == teach, out=prev)
         correct_sum = correct[m].float().sum()

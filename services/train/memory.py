@@ -33,6 +33,13 @@ from dataclasses import asdict, dataclass
 USABLE_FRACTION = 0.9
 #: The smallest micro-batch the back-off and the planner go down to (tokens).
 MIN_MICRO_TOKENS = 16
+#: The planner's largest micro-batch where attention uses a dense mask (CPU sdpa), when
+#: `train.micro_tokens` is unset. A packed micro-batch of n positions computes attention over
+#: all n x k*n pairs, the masked-out pairs across its samples included, while its samples
+#: alone need only sum(L_i^2); whole-sample micro-batches of this size keep that waste small
+#: at the same gradient (`services.train.loss`'s step denominators). The demo's 2-core CPU:
+#: scripts/bench_train.py --profile.
+DENSE_MASK_MICRO_TOKENS = 512
 
 
 @dataclass(frozen=True)

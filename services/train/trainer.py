@@ -9,7 +9,8 @@ checkpoint.
 Memory: a step of `train.tokens_per_step` runs as gradient accumulation over micro-batches of
 whole samples of at most `micro_tokens` positions, each normalized by the whole step's
 trainable-position counts. `micro_tokens` is `train.micro_tokens`, or what
-`services.train.memory` fits in the device's free memory; an out-of-memory error halves it
+`services.train.memory` fits in the device's free memory (at most DENSE_MASK_MICRO_TOKENS
+where attention builds a dense mask: CPU); an out-of-memory error halves it
 and retries the step (logged, kept in the checkpoint's state and the train manifest).
 Validation streams held-out samples from disk, one step's samples at a time (each step run
 in micro-batches), at most `train.val_max_samples` of them.
@@ -37,6 +38,7 @@ from services.train.acceptance import simulated_tau, teacher_head
 from services.train.draft_model import build_draft, load_trainable_state, trainable_state
 from services.train.loss import step_denominators, ttt_loss
 from services.train.memory import (
+    DENSE_MASK_MICRO_TOKENS,
     MIN_MICRO_TOKENS,
     USABLE_FRACTION,
     draft_shape,
@@ -139,6 +141,8 @@ class Trainer:
     def _plan_memory(self) -> dict[str, Any]:
         """Pick the micro-batch size: `train.micro_tokens`, or the memory model's fit.
 
+        The fit is at most DENSE_MASK_MICRO_TOKENS where attention builds a dense mask.
+
         Returns:
             `{"micro_tokens", "estimate" (bytes by part at that size), "budget" (bytes)}`.
         """
@@ -151,7 +155,8 @@ class Trainer:
         if cfg.micro_tokens is not None:
             micro = min(cfg.micro_tokens, tps)
         else:
-            micro = fit_micro_tokens(shape, tps, *args, dense, budget)
+            start = min(tps, DENSE_MASK_MICRO_TOKENS) if dense else tps
+            micro = fit_micro_tokens(shape, start, *args, dense, budget)
         est = step_memory(shape, micro, *args, dense).as_dict()
         log.info(
             "train step memory: %d of %d tokens per micro-batch, ~%.2f GiB of %.2f GiB",

@@ -85,6 +85,47 @@ def test_accumulated_micro_batches_follow_the_whole_step(make_run, smollm2_path)
             assert float(cos) > 0.99, name
 
 
+def test_micro_batches_of_whole_samples_equal_the_unsplit_step(make_run, smollm2_path):
+    """fp32, real samples: a step run as micro-batches of whole samples (what the dense-mask
+    cap does) has the unsplit step's loss, metrics and gradients to float rounding. Every
+    sample starts with prompt tokens (loss mask 0), so no scored TTT target of the packed
+    row lies in another sample."""
+    import torch
+
+    from services.train.packing import greedy_groups
+
+    whole_r = train_recipe(smollm2_path, tokens_per_step=192, precision="fp32")
+    split_r = train_recipe(smollm2_path, tokens_per_step=192, precision="fp32", micro_tokens=96)
+    whole, split = _trainer(make_run(whole_r), whole_r), _trainer(make_run(split_r), split_r)
+    assert whole.micro_tokens == 192
+    refs = [whole.train_refs[i] for i in whole.plans[0][0]]
+    samples = [whole.read(r) for r in refs]
+    assert all(not bool(s.loss_mask[: whole_r.train.ttt_steps].any()) for s in samples)
+    parts = len(greedy_groups([len(s.input_ids) for s in samples], 96))
+    assert parts >= 2
+    raw_w, n_w = whole.step_loss(samples, train=True)
+    raw_s, n_s = split.step_loss(samples, train=True)
+    assert n_w == n_s
+    for key, want in raw_w.items():
+        if key.startswith("loss") and key.endswith("_total"):
+            assert raw_s[key] == parts * want  # a count of forwards (step_metrics ignores it)
+        else:
+            assert raw_s[key] == pytest.approx(want, rel=1e-5, abs=1e-9), key
+    for (name, p), q in zip(whole.draft.named_parameters(), split.draft.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_planner_caps_micro_batches_where_the_attention_mask_is_dense(make_run, smollm2_path):
+    from services.train.memory import DENSE_MASK_MICRO_TOKENS
+
+    recipe = train_recipe(smollm2_path, tokens_per_step=4 * DENSE_MASK_MICRO_TOKENS)
+    assert _trainer(make_run(recipe), recipe).micro_tokens == DENSE_MASK_MICRO_TOKENS
+    # An explicit setting wins.
+    recipe = train_recipe(smollm2_path, tokens_per_step=2048, micro_tokens=2048)
+    assert _trainer(make_run(recipe), recipe).micro_tokens == 2048
+
+
 def test_planner_picks_a_smaller_micro_batch_when_memory_is_short(
     make_run, smollm2_path, monkeypatch
 ):
