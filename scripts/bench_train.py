@@ -105,8 +105,8 @@ NEW: list[str] = []
 def demo_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -> Any:
     """The demo recipe with inputs this machine can make: regen off (no vLLM), the dataset's
     answers cut to `--max-len` tokens, `--samples` rows, `--epochs` epochs, extraction on
-    CPU in fp32 (`services.train.runtime.cpu_has_bf16_kernels`: bf16 matmuls crawl on an
-    AVX2 CPU; the hidden states are still stored in bf16, `extract.dtype`)."""
+    CPU in the recipe's `target.dtype` (auto: fp32 where bf16 matmuls crawl, an AVX2 CPU;
+    the hidden states are stored in bf16 either way, `extract.dtype`)."""
     import yaml
 
     from shared.recipe import apply_overrides, resolve_recipe
@@ -118,7 +118,6 @@ def demo_recipe(args: argparse.Namespace, overrides: list[str] | None = None) ->
             f"prep.max_len_tokens={args.max_len}",
             f"datasets.0.max_samples={args.samples}",
             "extract.device=cpu",
-            "target.dtype=float32",
             f"train.epochs={args.epochs}",
         ],
     )
@@ -247,7 +246,7 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
 
     from services.train.loss import step_denominators
     from services.train.packing import collate
-    from services.train.runtime import cpu_has_bf16_kernels
+    from shared.target import cpu_has_bf16_kernels
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 

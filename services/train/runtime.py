@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.errors import ConfigError
 from shared.recipe import Recipe
+from shared.target import cpu_has_bf16_kernels
 
 if TYPE_CHECKING:
     import torch
@@ -107,16 +108,3 @@ def resolve_runtime(recipe: Recipe) -> Runtime:
             "its matmuls run tens of times slower than fp32 here; 'auto' picks fp32"
         )
     return Runtime(device, rank, world, "bf16" if precision == "bf16" else None)
-
-
-def cpu_has_bf16_kernels() -> bool:
-    """Whether this CPU has oneDNN's bf16 matmul kernels (torch's `mkldnn_bf16_device_check`).
-
-    Those need AVX-512 (BW/VL/DQ), AVX512-BF16 or AMX. Without them (an AVX2-only CPU) torch
-    runs bf16 matmuls on a slow fallback: a `[512, 576] @ [576, 1536]` product took 5.3 s in
-    bf16 against 0.11 s in fp32 on a loaded 2-core AVX2 machine (scripts/bench_train.py
-    --profile prints this check).
-    """
-    import torch
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -16,21 +15,14 @@ from shared.recipe import Recipe, resolve_recipe
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@functools.cache
-def _target_dtype() -> str:
-    from services.train.runtime import cpu_has_bf16_kernels
-
-    return "bfloat16" if cpu_has_bf16_kernels() else "float32"
-
-
 def train_recipe(smollm2_path: Path, **train: Any) -> Recipe:
     """A small SmolLM2 recipe: draft vocab 2048, MLP 512, 192-token bf16 steps, 2 epochs."""
     return resolve_recipe(
         {
             "name": "train-test",
-            # The fixture's extraction runs the target in fp32 where bf16 matmuls crawl (an
-            # AVX2 CPU: services.train.runtime.cpu_has_bf16_kernels); stored states are bf16.
-            "target": {**smollm2_target(smollm2_path), "dtype": _target_dtype()},
+            # target.dtype auto: fp32 extraction where bf16 matmuls crawl (an AVX2 CPU);
+            # the stored states are bf16 either way.
+            "target": smollm2_target(smollm2_path),
             "datasets": [{"preset": "sharegpt-v3-wheel"}],
             "layers": [2, 15, 27],
             "draft": {"draft_vocab_size": 2048, "intermediate_size": 512},
