@@ -246,9 +246,9 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
 
     from services.train.loss import step_denominators
     from services.train.packing import collate
-    from shared.target import cpu_has_bf16_kernels
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
+    from shared.target import cpu_has_bf16_kernels
 
     store = demo_inputs(args, root)
     recipe = demo_recipe(args, [f"train.tokens_per_step={max(args.lengths)}", *args.new])
