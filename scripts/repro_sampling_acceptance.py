@@ -45,6 +45,19 @@ state (a tiny positive divisor makes the target one-hot on its argmax, which the
 the argmax draft; 0 or a denormal gives inf/NaN probabilities, which reject; a negative one
 inverts the distribution). On a served draft it came out near zero at every T > 0.
 
+Served (same vLLM; the demo recipe's SmolLM2 target; an `eyrie demo --quick` draft after
+1 of 3 epochs, offline τ 1.057, draft vocabulary 4096; k=3; MT-Bench prompts, 64 tokens,
+concurrency 1; `sweep`), accepted / drafts:
+
+| T | reduced draft | reduced draft, vLLM with the fix (fix-dir) | full-vocabulary copy |
+|---|---|---|---|
+| 0 | 19 / 486 | 19 / 486 | 12 / 240 (4 prompts) |
+| 0.3 | 0 / 504 | 22 / 482 | 0 / 252 (4 prompts) |
+| 0.7 | 0 / 504 | 20 / 485 | - |
+| 1 | 0 / 504 | 17 / 440 | - |
+
+Both drafts collapse (so not d2t), and the fix alone restores T > 0 to the T=0 level.
+
 Subcommands:
 - `sampler`: the minimal reproduction, no server, seconds. vLLM's own
   `apply_sampling_constraints` + `rejection_sample` on CPU, with a draft that proposes the
@@ -65,8 +78,12 @@ Usage:
   .venv/bin/python scripts/repro_sampling_acceptance.py fix-dir FIX_DIR
   eyrie serve --mode eagle3 --draft DRAFT_DIR RECIPE     # then, in another shell:
   .venv/bin/python scripts/repro_sampling_acceptance.py sweep --url http://127.0.0.1:8001
-  (repeat serve + sweep with --draft FULL_DIR, and with PYTHONPATH=FIX_DIR before
-  `eyrie serve`; compare the tables)
+  (repeat serve + sweep with PYTHONPATH=FIX_DIR before `eyrie serve`, and with FULL_DIR;
+  compare the tables). Eyrie's eagle3 preflight refuses FULL_DIR (its lint requires d2t and
+  t2d), so serve that copy with the same vLLM command line `eyrie serve` prints in its log,
+  with the draft path replaced: `python -m vllm.entrypoints.openai.api_server --model TARGET
+  ... --speculative-config '{"method": "eagle3", "model": "FULL_DIR",
+  "num_speculative_tokens": 3}'`.
 """
 
 from __future__ import annotations
