@@ -29,14 +29,21 @@ clock runs only while it trains or validates, and each stops when its budget is 
   (speculators' CLI would also take `--draft-attn-impl sdpa --loss-implementation eager`;
   here the draft is built by `build_draft`, whose attention is sdpa, and the loss is eager.)
 
+`--data DIR` keeps the run (the input stages' output) in DIR: a later run with the same
+data arguments (--samples, --max-len, --draft-vocab, --val-fraction, --epochs, --lr,
+--tokens-per-step: they name the run) finds every stage's shards done and skips them, so runs
+that differ only in `-o` overrides compare on the same samples; Eyrie's train folder there is
+cleared first. `--no-reference` trains and scores Eyrie's side only (ablations).
+
 Usage: .venv/bin/python scripts/bench_quality.py [--samples 320] [--budget-s 600]
-       [--chunk-steps 4] [--epochs 5]
+       [--chunk-steps 4] [--epochs 5] [--data DIR] [--no-reference] [-o key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -208,6 +215,12 @@ def main() -> None:
         "reference side are unchanged, so runs with different overrides compare on the same "
         "held-out samples (the data stages, draft vocabulary included, use the base recipe)",
     )
+    ap.add_argument(
+        "--data",
+        type=Path,
+        help="data root to keep the extracted run in and reuse (default: a temporary folder)",
+    )
+    ap.add_argument("--no-reference", action="store_true", help="train and score Eyrie's side only")
     args = ap.parse_args()
 
     import torch
@@ -223,7 +236,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         # The input stages run under the base recipe; Eyrie's trainer reads them with its own
         # (an override of the draft or the loop does not change the data).
-        store = RunStore.create(base, root=Path(tmp))
+        store = RunStore.create(base, root=args.data or Path(tmp))
+        # A kept run's checkpoints are an earlier run's: this one's best must be its own.
+        shutil.rmtree(store.train.dir, ignore_errors=True)
         t0 = time.perf_counter()
         run_stages(store, INPUT_STAGES)
         print(f"data: input stages in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -235,10 +250,11 @@ def main() -> None:
         index.val = select
         read = SampleReader(store)
         eyrie = Trainer(recipe, store, index)
-        ref, ref_model, ref_data = reference_trainer(
-            base, store, index.train, Path(tmp) / "reference", args.epochs
-        )
-        ref_per_epoch = len(ref_data.plan(0))
+        if not args.no_reference:
+            ref, ref_model, ref_data = reference_trainer(
+                base, store, index.train, Path(tmp) / "reference", args.epochs
+            )
+            ref_per_epoch = len(ref_data.plan(0))
         spent = {"eyrie": 0.0, "reference": 0.0}
         ref_pos = {"epoch": 0, "step": 0, "total": 0}
 
@@ -253,7 +269,7 @@ def main() -> None:
             return True
 
         def ref_chunk() -> bool:
-            if ref_pos["epoch"] >= args.epochs:
+            if args.no_reference or ref_pos["epoch"] >= args.epochs:
                 return False
             t = time.perf_counter()
             start = ref_pos["step"]
@@ -289,7 +305,8 @@ def main() -> None:
             load_trainable_state(eyrie.draft, ckpt.load(best)[0])
         with torch.no_grad():
             e = score(eyrie.draft, held, read, k)
-            r = score(ref_model, held, read, k)
+            r = None if args.no_reference else score(ref_model, held, read, k)
+            s = score(eyrie.draft, select, read, k)
     print(
         f"\nsamples: train {len(index.train)}, select {len(select)}, score {len(held)}; "
         f"budget {args.budget_s:.0f}s per side; k={k}"
@@ -299,6 +316,9 @@ def main() -> None:
         f"{args.tokens_per_step} tokens, {spent['eyrie']:.0f}s, checkpoint "
         f"{best.name if best else 'in memory'})"
     )
+    print(f"eyrie on the select half: tau {s['tau']:.3f}")
+    if r is None:
+        return
     print(
         f"reference: tau {r['tau']:.3f}  ({ref_pos['total']} steps of <= "
         f"{REFERENCE_TOKENS_PER_STEP} tokens, {spent['reference']:.0f}s)"
