@@ -29,14 +29,26 @@ clock runs only while it trains or validates, and each stops when its budget is 
   (speculators' CLI would also take `--draft-attn-impl sdpa --loss-implementation eager`;
   here the draft is built by `build_draft`, whose attention is sdpa, and the loss is eager.)
 
+`--data DIR` keeps the run (the input stages' output) in DIR: a later run with the same
+data arguments (--samples, --max-len, --draft-vocab, --val-fraction, --epochs, --lr,
+--tokens-per-step: they name the run) finds every stage's shards done and skips them, so runs
+that differ only in `-o` overrides compare on the same samples; Eyrie's train folder there is
+cleared first. `--no-reference` trains and scores Eyrie's side only (ablations).
+`--precision fp32` runs everything in fp32 (the target's forward in extract, both trainers
+and the scoring; hidden states are still stored bf16), for CPUs without native bf16 matmuls
+(AVX2 only: torch's bf16 matmul there runs ~45x slower than fp32). The reference side takes
+it through its own config (`TrainerConfig.hidden_states_dtype`), not a patch.
+
 Usage: .venv/bin/python scripts/bench_quality.py [--samples 320] [--budget-s 600]
-       [--chunk-steps 4] [--epochs 5]
+       [--chunk-steps 4] [--epochs 5] [--data DIR] [--no-reference] [--precision fp32]
+       [-o key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -58,6 +70,8 @@ INPUT_STAGES = ["plan", "prep", "dedup", "split", "tokenize", "vocab", "extract"
 
 #: speculators 0.9.0's training defaults (train/config/schema.py) the reference side keeps.
 REFERENCE_TOKENS_PER_STEP = 2048
+#: `--precision` → (the target's dtype in extract, `train.precision`).
+PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "fp32")}
 
 
 def bench_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -> Any:
@@ -67,10 +81,11 @@ def bench_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -
     """
     from shared.recipe import resolve_recipe
 
+    target_dtype, precision = PRECISIONS[args.precision]
     return resolve_recipe(
         {
             "name": "bench-quality",
-            "target": smollm2_target(smollm2_path()),
+            "target": {**smollm2_target(smollm2_path()), "dtype": target_dtype},
             "datasets": [{**SHAREGPT, "max_samples": args.samples}],
             "prep": {"max_len_tokens": args.max_len},
             "regen": {"enabled": False},
@@ -82,7 +97,7 @@ def bench_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -
                 "lr": args.lr,
                 "tokens_per_step": args.tokens_per_step,
                 "val_fraction": args.val_fraction,
-                "precision": "bf16",
+                "precision": precision,
                 "step_checkpoint_every": 0,
                 "device": "cpu",
                 "seed": 0,
@@ -115,8 +130,9 @@ class PackedSteps:
     from the true steps per epoch.
     """
 
-    def __init__(self, refs, read, tokens_per_step: int, seed: int):
+    def __init__(self, refs, read, tokens_per_step: int, seed: int, dtype):
         self.refs, self.read, self.tokens, self.seed = refs, read, tokens_per_step, seed
+        self.dtype = dtype
         self.set_window(0, 0, None)
 
     def plan(self, epoch: int) -> list[list[int]]:
@@ -131,12 +147,11 @@ class PackedSteps:
         return len(self.steps)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import torch
 
         from services.train.packing import collate
 
         batch = collate([self.read(self.refs[j]) for j in self.steps[i]], self.tokens)
-        batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
+        batch = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in batch.items()}
         return {**batch, "error_records": 0}
 
 
@@ -154,8 +169,9 @@ def reference_trainer(recipe, store, train_refs, save_dir: Path, epochs: int):
     torch.manual_seed(recipe.train.seed)
     d2t, t2d = store.vocab.read_maps()
     model = build_draft(recipe, d2t, t2d, device="cpu")
+    dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
     data = PackedSteps(
-        train_refs, SampleReader(store), REFERENCE_TOKENS_PER_STEP, recipe.train.seed
+        train_refs, SampleReader(store), REFERENCE_TOKENS_PER_STEP, recipe.train.seed, dtype
     )
     loader: Any = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)  # type: ignore[arg-type]
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
@@ -174,17 +190,18 @@ def reference_trainer(recipe, store, train_refs, save_dir: Path, epochs: int):
         optimizer="muon",
         weight_decay=0.01,
         muon_lr=1e-3,
+        hidden_states_dtype=dtype,
     )
     trainer = SpTrainer(model, cfg, loader, None)  # type: ignore[arg-type]
     trainer.device_type = "cpu"  # patch 2
     return trainer, model, data
 
 
-def score(model, refs, read, k: int) -> dict[str, Any]:
-    """Offline τ of `model` on `refs` (the "score" half), bf16 autocast like the trainer."""
+def score(model, refs, read, k: int, precision: str) -> dict[str, Any]:
+    """Offline τ of `model` on `refs`, in `train.precision` like the trainer."""
     from services.train.acceptance import simulated_tau
 
-    return simulated_tau(model, (read(r) for r in refs), k, None, "bf16")
+    return simulated_tau(model, (read(r) for r in refs), k, None, precision)
 
 
 def main() -> None:
@@ -208,6 +225,19 @@ def main() -> None:
         "reference side are unchanged, so runs with different overrides compare on the same "
         "held-out samples (the data stages, draft vocabulary included, use the base recipe)",
     )
+    ap.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="bf16",
+        help="compute precision of extract, both trainers and scoring (fp32 on CPUs without "
+        "native bf16)",
+    )
+    ap.add_argument(
+        "--data",
+        type=Path,
+        help="data root to keep the extracted run in and reuse (default: a temporary folder)",
+    )
+    ap.add_argument("--no-reference", action="store_true", help="train and score Eyrie's side only")
     args = ap.parse_args()
 
     import torch
@@ -223,7 +253,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         # The input stages run under the base recipe; Eyrie's trainer reads them with its own
         # (an override of the draft or the loop does not change the data).
-        store = RunStore.create(base, root=Path(tmp))
+        store = RunStore.create(base, root=args.data or Path(tmp))
+        # A kept run's checkpoints are an earlier run's: this one's best must be its own.
+        shutil.rmtree(store.train.dir, ignore_errors=True)
         t0 = time.perf_counter()
         run_stages(store, INPUT_STAGES)
         print(f"data: input stages in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -235,10 +267,11 @@ def main() -> None:
         index.val = select
         read = SampleReader(store)
         eyrie = Trainer(recipe, store, index)
-        ref, ref_model, ref_data = reference_trainer(
-            base, store, index.train, Path(tmp) / "reference", args.epochs
-        )
-        ref_per_epoch = len(ref_data.plan(0))
+        if not args.no_reference:
+            ref, ref_model, ref_data = reference_trainer(
+                base, store, index.train, Path(tmp) / "reference", args.epochs
+            )
+            ref_per_epoch = len(ref_data.plan(0))
         spent = {"eyrie": 0.0, "reference": 0.0}
         ref_pos = {"epoch": 0, "step": 0, "total": 0}
 
@@ -253,7 +286,7 @@ def main() -> None:
             return True
 
         def ref_chunk() -> bool:
-            if ref_pos["epoch"] >= args.epochs:
+            if args.no_reference or ref_pos["epoch"] >= args.epochs:
                 return False
             t = time.perf_counter()
             start = ref_pos["step"]
@@ -288,8 +321,10 @@ def main() -> None:
         if best is not None:
             load_trainable_state(eyrie.draft, ckpt.load(best)[0])
         with torch.no_grad():
-            e = score(eyrie.draft, held, read, k)
-            r = score(ref_model, held, read, k)
+            p = base.train.precision
+            e = score(eyrie.draft, held, read, k, p)
+            r = None if args.no_reference else score(ref_model, held, read, k, p)
+            s = score(eyrie.draft, select, read, k, p)
     print(
         f"\nsamples: train {len(index.train)}, select {len(select)}, score {len(held)}; "
         f"budget {args.budget_s:.0f}s per side; k={k}"
@@ -299,6 +334,9 @@ def main() -> None:
         f"{args.tokens_per_step} tokens, {spent['eyrie']:.0f}s, checkpoint "
         f"{best.name if best else 'in memory'})"
     )
+    print(f"eyrie on the select half: tau {s['tau']:.3f}")
+    if r is None:
+        return
     print(
         f"reference: tau {r['tau']:.3f}  ({ref_pos['total']} steps of <= "
         f"{REFERENCE_TOKENS_PER_STEP} tokens, {spent['reference']:.0f}s)"

@@ -330,6 +330,13 @@ class TrainConfig(Section):
     noise_std: float = Field(
         0.0, ge=0, description="Std of Gaussian noise on aux hidden states (train only)."
     )
+    loss_positions: Literal["assistant", "all"] = Field(
+        "assistant",
+        description="Positions the training loss scores: 'assistant' = those predicting an "
+        "assistant token; 'all' = every position with a next token (prompts too: the teacher "
+        "distribution exists there, and the forward pass runs over them anyway). Validation, "
+        "simulated tau and checkpoint selection always use assistant positions.",
+    )
     tokens_per_step: int = Field(
         8192, gt=0, description="Packed tokens per optimizer step (per process)."
     )

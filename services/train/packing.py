@@ -11,13 +11,15 @@ Invariants:
   a checkpoint;
 - every sample appears exactly once per epoch; a sample longer than tokens_per_step is
   truncated to it (counted by `count_truncated`), never dropped;
-- no padding: T is the sum of the step's sample lengths.
+- no padding: T is the sum of the step's sample lengths;
+- `train.loss_positions` is applied here (`loss_positions`), in training only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Literal
 
 from services.train.samples import AlignedSample, SampleRef
 
@@ -71,6 +73,45 @@ def pack(refs: Sequence[SampleRef], order: Sequence[int], tokens_per_step: int) 
 def count_truncated(refs: Sequence[SampleRef], tokens_per_step: int) -> int:
     """Samples longer than one step's budget (their tail is not trained)."""
     return sum(r.positions > tokens_per_step for r in refs)
+
+
+def all_positions_mask(n: int, ttt_steps: int) -> torch.Tensor:
+    """The positions of an n-position sample that the loss can score in a packed row.
+
+    Every position except:
+    - the last: it predicts the token after the sequence (`shared.conventions.shift_mask_left`
+      leaves it untrained too), and the sample has no such token;
+    - the first `ttt_steps - 1`: TTT step j scores position p against the draft state of
+      position p - j (`services.train.loss.ttt_loss`, speculators' `align_for_step`), which
+      for p < j lies in the previous sample of the packed row. (Assistant masks never start
+      with a trained position: a conversation opens with its prompt.)
+
+    Returns:
+        bool `[n]`.
+    """
+    import torch
+
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[: ttt_steps - 1] = False
+    if n:
+        mask[-1] = False
+    return mask
+
+
+def loss_positions(
+    samples: Sequence[AlignedSample], positions: Literal["assistant", "all"], ttt_steps: int
+) -> list[AlignedSample]:
+    """The samples with the loss mask of `train.loss_positions` (applied in training only).
+
+    Args:
+        samples: samples with their assistant loss masks (`services.train.samples`).
+        positions: 'assistant' keeps them; 'all' scores every position `all_positions_mask`
+            allows, against the target's own next-token distribution (the KL teacher).
+        ttt_steps: the TTT depth.
+    """
+    if positions == "assistant":
+        return list(samples)
+    return [replace(s, loss_mask=all_positions_mask(len(s.loss_mask), ttt_steps)) for s in samples]
 
 
 def collate(samples: Sequence[AlignedSample], tokens_per_step: int) -> dict[str, torch.Tensor]:

@@ -54,6 +54,7 @@ from services.train.packing import (
     count_truncated,
     epoch_order,
     greedy_groups,
+    loss_positions,
     pack,
 )
 from services.train.runtime import Runtime, resolve_runtime, unwrap
@@ -323,7 +324,8 @@ class Trainer:
 
         Args:
             samples: the step's samples (truncated to tokens_per_step when collated).
-            train: add noise and backpropagate (else: no noise, no gradients).
+            train: add noise, score `train.loss_positions` and backpropagate (else: no
+                noise, assistant positions, no gradients).
 
         Returns:
             (speculators-style raw metrics summed over micro-batches, positions).
@@ -333,6 +335,8 @@ class Trainer:
         import torch
 
         tps, ttt = self.cfg.tokens_per_step, self.cfg.ttt_steps
+        if train:
+            samples = loss_positions(samples, self.cfg.loss_positions, ttt)
         masks = [s.loss_mask[:tps] for s in samples]
         denoms = step_denominators(torch.cat(masks).unsqueeze(0), ttt)
         lengths = [min(len(m), tps) for m in masks]
