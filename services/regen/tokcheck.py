@@ -233,28 +233,21 @@ def check_tokenizer(
                 "chat_template_kwargs": client.kwargs,
                 **({"tools": tools} if tools else {}),
             }
-            try:
-                server, strs = _post(http, url, chat)
-            except _Rejected as e:
-                out.rejected.append(f"{row.id}: {e.detail}")
-                continue
-            if local != server:
-                raise ConfigError(
-                    mismatch_message(tok, target, url, row.id, "prompt", local, server, strs)
-                )
             local_text = tok(text, add_special_tokens=False)["input_ids"]
             plain = {**common, "prompt": text, "add_special_tokens": False}
             try:
-                server_text, strs = _post(http, url, plain)
+                for kind, want, body in (
+                    ("prompt", local, chat),
+                    ("plain text", local_text, plain),
+                ):
+                    got, strs = _post(http, url, body)
+                    if want != got:
+                        raise ConfigError(
+                            mismatch_message(tok, target, url, row.id, kind, want, got, strs)
+                        )
             except _Rejected as e:
                 out.rejected.append(f"{row.id}: {e.detail}")
                 continue
-            if local_text != server_text:
-                raise ConfigError(
-                    mismatch_message(
-                        tok, target, url, row.id, "plain text", local_text, server_text, strs
-                    )
-                )
             out.rows.append(row.id)
             out.prompt_tokens += len(local)
             out.text_tokens += len(local_text)
