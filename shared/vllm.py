@@ -151,8 +151,12 @@ def speculative_config(
     }
 
 
-def kv_transfer_config(hs_dir: Path | str) -> dict[str, Any]:
-    """`--kv-transfer-config` of extract mode: Eyrie's connector writing under `hs_dir`."""
+def kv_transfer_config(hs_dir: Path | str, dtype: str = "bfloat16") -> dict[str, Any]:
+    """`--kv-transfer-config` of extract mode: Eyrie's connector writing under `hs_dir`.
+
+    `dtype` (`extract.dtype`) is the dtype the connector stores the states in, whatever
+    dtype the target runs in (`target.dtype` auto runs fp32 on an AVX2 CPU).
+    """
     return {
         "kv_connector": EXTRACT_CONNECTOR_CLASS,
         "kv_connector_module_path": EXTRACT_CONNECTOR_MODULE,
@@ -161,6 +165,7 @@ def kv_transfer_config(hs_dir: Path | str) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "shared_storage_path": str(hs_dir),
             "output_root": str(Path(hs_dir).parent),
+            "dtype": dtype,
         },
     }
 
@@ -225,7 +230,8 @@ def vllm_args(
         args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
     if mode == "extract":
         hs = hs_dir or Path(tempfile.gettempdir()) / "eyrie-hidden-states"
-        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(hs), sort_keys=True)]
+        kv = kv_transfer_config(hs, recipe.extract.dtype)
+        args += ["--kv-transfer-config", json.dumps(kv, sort_keys=True)]
     return args + list(s.extra_args)
 
 

@@ -27,7 +27,8 @@ every rank holds the same states; only tensor-parallel rank 0 writes and reports
 
 Extra config (`kv_connector_extra_config`): `shared_storage_path` (folder of the default
 files), `output_root` (the only tree a request may name; default the parent of
-`shared_storage_path`, the run's extract folder).
+`shared_storage_path`, the run's extract folder), `dtype` (of the stored states, the
+recipe's `extract.dtype`; default bfloat16, whatever dtype the model runs in).
 
 This module is imported by vLLM's engine process only; nothing else in Eyrie imports it.
 """
@@ -143,6 +144,9 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             (kv.get_from_extra_config("output_root", None) if kv else None)
             or os.path.dirname(storage)
         )
+        self.dtype = getattr(
+            torch, (kv.get_from_extra_config("dtype", None) if kv else None) or "bfloat16"
+        )
         # scheduler side
         self.paths: dict[str, str] = {}
         self.to_write: list[PendingWrite] = []
@@ -217,7 +221,7 @@ class EyrieHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("EyrieHiddenStatesConnector: KV caches were never registered")
         # Copied out now: once reported, the blocks are freed and may be overwritten.
         states = gather_states(self.cache, w.block_ids, int(w.token_ids.shape[0]))
-        states = states.to("cpu", non_blocking=False)
+        states = states.to("cpu", dtype=self.dtype, non_blocking=False)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyrie-hs")
         self.in_flight[w.req_id] = self.pool.submit(_save, w.path, states, w.token_ids)

@@ -82,6 +82,7 @@ def test_extract_command_writes_hidden_states_to_the_runs_volume():
     assert kv["kv_connector_extra_config"] == {
         "shared_storage_path": "/data/vllm-hidden-states",
         "output_root": "/data",
+        "dtype": "bfloat16",
     }
     assert "--no-enable-prefix-caching" in cmd
 

@@ -90,6 +90,7 @@ def test_extract_args_add_final_layer_and_connector(recipe, tmp_path):
     assert kv["kv_connector_extra_config"] == {
         "shared_storage_path": str(tmp_path),
         "output_root": str(tmp_path.parent),  # the run's extract folder, for the real one
+        "dtype": "bfloat16",  # extract.dtype: stored in bf16 whatever the target runs in
     }
     # A prefix-cache hit would skip the forward that yields those tokens' hidden states.
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
