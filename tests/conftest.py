@@ -82,3 +82,13 @@ def data_dir(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "data"
     monkeypatch.setenv("EYRIE_DATA", str(d))
     return d
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Run the whole-pipeline (`e2e`) modules first, in their own order.
+
+    They are the longest units by far (minutes each); under `pytest -n 2 --dist loadfile`
+    (scripts/test's default) starting them first keeps the other worker busy with the rest
+    instead of leaving one long module to run alone at the end.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
