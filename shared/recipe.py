@@ -396,6 +396,18 @@ class BenchConfig(Section):
     )
     max_tokens: int = Field(256, gt=0, description="Max new tokens per request.")
     num_speculative_tokens: int = Field(3, gt=0, description="k: draft tokens per step.")
+    measure_k: list[int] = Field(
+        default_factory=list,
+        description="Other k to serve and measure too, each after the main pair with its own "
+        "eagle3 server (and baseline rounds beside it), so the report gives the measured "
+        "speedup next to the predicted one for each.",
+    )
+    rounds: int = Field(
+        1,
+        gt=0,
+        description="Sweeps per server and k, alternating baseline and eagle3; the speedup "
+        "of a cell is the median of the rounds' eagle3/baseline ratios.",
+    )
     concurrency: list[int] = Field(
         default_factory=lambda: [1, 8, 16], description="Concurrency levels swept (requests)."
     )
@@ -412,6 +424,17 @@ class BenchConfig(Section):
         if not v or any(c <= 0 for c in v):
             raise ValueError("must be a non-empty list of positive integers")
         return v
+
+    @field_validator("measure_k")
+    @classmethod
+    def _positive_k(cls, v: list[int]) -> list[int]:
+        if any(k <= 0 for k in v):
+            raise ValueError("must be a list of positive integers")
+        return v
+
+    def served_ks(self) -> list[int]:
+        """Every k the bench serves: `num_speculative_tokens` first, then `measure_k`."""
+        return list(dict.fromkeys([self.num_speculative_tokens, *self.measure_k]))
 
 
 class ServeConfig(Section):

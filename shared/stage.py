@@ -100,6 +100,10 @@ def _no_server(recipe: Recipe, shard: int) -> str | None:
     return None
 
 
+def _same_recipe(recipe: Recipe, shard: int) -> Recipe:
+    return recipe
+
+
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage's declaration.
@@ -109,12 +113,14 @@ class Stage:
         queue: the rq queue its jobs go to (`shared.queue.QUEUES`).
         timeout_s: rq job timeout (rq's default of 180 s would kill long jobs).
         body: `fn(ctx) -> ShardResult` for one shard.
-        shards: a fixed shard count, or PER_PLAN_SHARD.
+        shards: a fixed shard count, PER_PLAN_SHARD, or `fn(recipe) -> count`.
         after: stages whose outputs it reads (disabled ones are ignored).
         gpu_phase: the GPU lease phase its jobs need (None = CPU only).
         enabled: whether a recipe runs this stage.
         server: the vLLM server mode a shard needs while it runs (None = none).
         side_by_side: whether the servers of different shards may run at once.
+        server_recipe: the recipe a shard's servers start with (default the run's; the bench
+            serves other k this way). Shards whose server recipes differ never share servers.
         release: frees accelerator memory when the phase's queue has drained.
         warm: imports what the body needs, run once by a forking worker before it forks
             its work-horses (so each job does not pay for them).
@@ -126,7 +132,7 @@ class Stage:
     queue: str
     timeout_s: int
     body: Callable[[StageContext], ShardResult]
-    shards: int | str = 1
+    shards: int | str | Callable[[Recipe], int] = 1
     after: tuple[str, ...] = ()
     gpu_phase: str | None = None
     enabled: Callable[[Recipe], bool] = _always
@@ -135,6 +141,7 @@ class Stage:
     release: Callable[[], None] | None = None
     warm: Callable[[], None] | None = None
     sized_timeout: Callable[[Recipe, RunStore], int] | None = None
+    server_recipe: Callable[[Recipe, int], Recipe] = _same_recipe
 
     def job_timeout(self, recipe: Recipe, store: RunStore) -> int:
         """The rq job timeout in seconds: `sized_timeout`'s when declared, else `timeout_s`."""
@@ -144,6 +151,8 @@ class Stage:
         """The shard numbers of this stage in the run (per-plan stages read the plan)."""
         if self.shards == PER_PLAN_SHARD:
             return list(range(store.plan.num_shards()))
+        if callable(self.shards):
+            return list(range(self.shards(store.recipe())))
         return list(range(int(self.shards)))
 
     def servers(self, recipe: Recipe, shards: Sequence[int]) -> list[str]:
@@ -152,10 +161,24 @@ class Stage:
         return list(dict.fromkeys(m for m in modes if m))
 
     def shard_groups(self, recipe: Recipe, shards: Sequence[int]) -> list[list[int]]:
-        """Shards that run together: all at once, or one by one when servers may not share."""
-        if self.servers(recipe, shards) and not self.side_by_side(recipe):
-            return [[s] for s in shards]
-        return [list(shards)]
+        """Shards that run together, in shard order.
+
+        Consecutive shards with the same server recipe form a group (all at once); when
+        servers may not run side by side, consecutive shards with the same server do.
+        """
+        apart = bool(self.servers(recipe, shards)) and not self.side_by_side(recipe)
+        groups: list[list[int]] = []
+        last = None
+        for s in shards:
+            key = (
+                self.server_recipe(recipe, s).canonical_json(),
+                self.server(recipe, s) if apart else None,
+            )
+            if key != last:
+                groups.append([])
+                last = key
+            groups[-1].append(s)
+        return groups
 
 
 #: Every declared stage, by name (filled by importing the stage modules).
@@ -167,7 +190,7 @@ def stage(
     *,
     queue: str,
     timeout_s: int,
-    shards: int | str = 1,
+    shards: int | str | Callable[[Recipe], int] = 1,
     after: tuple[str, ...] = (),
     gpu_phase: str | None = None,
     enabled: Callable[[Recipe], bool] = _always,
@@ -176,6 +199,7 @@ def stage(
     release: Callable[[], None] | None = None,
     warm: Callable[[], None] | None = None,
     sized_timeout: Callable[[Recipe, RunStore], int] | None = None,
+    server_recipe: Callable[[Recipe, int], Recipe] = _same_recipe,
 ) -> Callable[[Callable[[StageContext], ShardResult]], Callable[[StageContext], ShardResult]]:
     """Declare the decorated function as stage `name` (see `Stage` for the fields).
 
@@ -190,7 +214,7 @@ def stage(
             raise ConfigError(f"stage {name!r} is declared twice")
         STAGES[name] = Stage(
             name, queue, timeout_s, body, shards, after, gpu_phase, enabled, server,
-            side_by_side, release, warm, sized_timeout,
+            side_by_side, release, warm, sized_timeout, server_recipe,
         )  # fmt: skip
         return body
 

@@ -219,8 +219,9 @@ def _slow_causes(
         elif rk != k:
             causes.append(
                 {
-                    "cause": f"k={k} drafts positions that do not pay; k={rk} is predicted "
-                    f"{plan['predicted_speedup']:.2f}x",
+                    "cause": f"k={k} drafts positions that do not pay; k={rk} is "
+                    f"{plan.get('recommended_by', 'predicted')} "
+                    f"{plan.get('recommended_speedup', plan['predicted_speedup']):.2f}x",
                     "evidence": cost,
                 }
             )

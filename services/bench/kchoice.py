@@ -14,8 +14,10 @@ Model (per benchmark cell, i.e. one temperature and concurrency):
 - predicted speedup at k: `τ(k) / (1 + k · c)`.
 
 At the benchmarked k the prediction equals the measurement by construction (c is fitted
-there); the prediction at any other k is testable by benchmarking that k
-(`eyrie compare` prints one report's prediction next to the other's measurement).
+there); the prediction at any other k is tested by serving that k too (`bench.measure_k`:
+its measured speedup and τ sit next to the prediction) or by another run at that k (`eyrie
+compare` prints one report's prediction next to the other's measurement). The recommended k
+is the one with the highest speedup, measured where it was measured, predicted elsewhere.
 The linear cost is an approximation: verification of k+1 tokens on a compute-bound target
 grows faster than linearly at high concurrency.
 """
@@ -64,30 +66,54 @@ def draft_token_cost(tau: float, baseline_tok_s: float, eagle3_tok_s: float, k: 
     return (step_ratio - 1.0) / k
 
 
-def k_plan(row: dict[str, Any], k: int, max_k: int | None = None) -> dict[str, Any] | None:
-    """Predicted speedup per k for one report row, and the k it recommends.
+def k_plan(
+    row: dict[str, Any],
+    k: int,
+    max_k: int | None = None,
+    measured: dict[int, dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
+    """Predicted and measured speedup per k for one report row, and the k it recommends.
 
     Args:
-        row: a report row (`per_position_rate`, `tau`, `baseline_tok_s`, `eagle3_tok_s`).
+        row: a report row (`per_position_rate`, `tau`, `baseline_tok_s`, `eagle3_tok_s`,
+            `speedup`).
         k: the benchmarked k.
         max_k: largest k predicted; default k + 2.
+        measured: the same cell's report row at other served k (`bench.measure_k`), by k.
 
     Returns:
         `{"temperature", "concurrency", "k", "draft_token_cost", "target_step_ms",
-        "eagle3_step_ms", "per_k": [{"k", "tau", "speedup", "extrapolated"}],
-        "recommended_k", "predicted_speedup", "measured_speedup"}`; `recommended_k` is 0 when
-        no k is predicted to beat the baseline. None when the row lacks counters or tok/s.
+        "eagle3_step_ms", "per_k": [{"k", "tau", "speedup", "extrapolated", "measured_speedup",
+        "measured_tau"}], "recommended_k", "recommended_by", "recommended_speedup",
+        "predicted_speedup", "measured_speedup"}` (`recommended_by`: "measured" or
+        "predicted", where `recommended_speedup` comes from); the
+        measured fields are None at a k not served; `recommended_k` is 0 when no k is
+        measured or predicted to beat the baseline. None when the row lacks counters or tok/s.
     """
     pos, tau = row.get("per_position_rate"), row.get("tau")
     b, e = row.get("baseline_tok_s"), row.get("eagle3_tok_s")
     if not pos or tau is None or not b or not e:
         return None
     c = draft_token_cost(tau, b, e, k)
-    per_k = [
-        {"k": i + 1, "tau": t, "speedup": t / (1 + (i + 1) * c), "extrapolated": ext}
-        for i, (t, ext) in enumerate(tau_per_k(pos, max_k or k + 2))
-    ]
-    best = max(per_k, key=lambda r: r["speedup"])
+    at = {**(measured or {}), k: row}
+    per_k = []
+    for i, (t, ext) in enumerate(tau_per_k(pos, max_k or k + 2)):
+        m = at.get(i + 1)
+        per_k.append(
+            {
+                "k": i + 1,
+                "tau": t,
+                "speedup": t / (1 + (i + 1) * c),
+                "extrapolated": ext,
+                "measured_speedup": m.get("speedup") if m else None,
+                "measured_tau": m.get("tau") if m else None,
+            }
+        )
+
+    def value(x: dict[str, Any]) -> float:
+        return float(x["measured_speedup"] if x["measured_speedup"] is not None else x["speedup"])
+
+    best = max(per_k, key=value)
     return {
         "temperature": row["temperature"],
         "concurrency": row["concurrency"],
@@ -96,7 +122,9 @@ def k_plan(row: dict[str, Any], k: int, max_k: int | None = None) -> dict[str, A
         "target_step_ms": 1000.0 / b,
         "eagle3_step_ms": 1000.0 * tau / e,
         "per_k": per_k,
-        "recommended_k": best["k"] if best["speedup"] > 1.0 else 0,
+        "recommended_k": best["k"] if value(best) > 1.0 else 0,
+        "recommended_by": "measured" if best["measured_speedup"] is not None else "predicted",
+        "recommended_speedup": value(best),
         "predicted_speedup": best["speedup"],
-        "measured_speedup": e / b,
+        "measured_speedup": row.get("speedup") if row.get("speedup") is not None else e / b,
     }

@@ -1,23 +1,29 @@
 """The benchmark report: baseline and eagle3 sweeps side by side, as JSON and Markdown.
 
-`build_report` pairs the windows of the two servers by (temperature, concurrency); speedup
-is eagle3 output tok/s ÷ baseline output tok/s, both measured by the same client on the same
-prompts. τ is reported per (temperature, concurrency) cell from that window's counter deltas
-(τ = 1 + accepted / drafts, `shared.conventions.mean_acceptance_length`); the pooled τ per
-temperature (every concurrency's deltas summed) is kept for the acceptance plot.
+`build_report` takes every bench shard (`services.bench.stage.bench_plan`: per k served, per
+round, a baseline sweep and an eagle3 sweep) and pairs the windows by (temperature,
+concurrency) within each round. A cell's speedup is the median over rounds of eagle3 output
+tok/s ÷ baseline output tok/s of the same round, both measured by the same client on the same
+prompts; its tok/s and latencies are the rounds' medians. τ is reported per cell from the
+counter deltas of its windows, summed over rounds (τ = 1 + accepted / drafts,
+`shared.conventions.mean_acceptance_length`); the pooled τ per temperature (every
+concurrency's deltas summed) is kept for the acceptance plot. The rows are the recipe's k;
+the other k served (`bench.measure_k`) add their measured speedup and τ to the k plans.
 
-report.json layout: `{"run_id", "target", "k", "prompt_set", "num_prompts", "max_tokens",
-"rows": [Row], "tau": {"<T>": pooled τ}, "acceptance_rate": {"<T>": r},
-"per_position_rate": {"<T>": [k floats]}, "checks": [Check], "offline": {"tau", "epoch"} |
-None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None, "vocab": {count: n} |
-None}` (regen: the regen manifests' counts summed; vocab: the vocab manifest's counts and
-coverage; both added by the report stage) (Check: `diagnosis.export_checks`; Plan:
-`kchoice.k_plan`, one per row with counters; Flag: `diagnosis.flags_for`).
+report.json layout: `{"run_id", "target", "k", "measure_k", "rounds", "prompt_set",
+"num_prompts", "max_tokens", "rows": [Row], "tau": {"<T>": pooled τ}, "acceptance_rate":
+{"<T>": r}, "per_position_rate": {"<T>": [k floats]}, "checks": [Check], "offline": {"tau",
+"epoch"} | None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None, "vocab":
+{count: n} | None}` (Row: one cell, with `speedups`, the per-round ratios; regen: the regen
+manifests' counts summed; vocab: the vocab manifest's counts and coverage; both added by the
+report stage) (Check: `diagnosis.export_checks`; Plan: `kchoice.k_plan`, one per row with
+counters; Flag: `diagnosis.flags_for`).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -29,94 +35,166 @@ def _key(w: dict[str, Any]) -> tuple[float, int]:
     return float(w["temperature"]), int(w["concurrency"])
 
 
-def _row(base: dict[str, Any], eag: dict[str, Any]) -> dict[str, Any]:
-    b, e, ctr = base["client"], eag["client"], eag["counters"]
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _pool(counters: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counter deltas summed over windows, with τ and the rates recomputed from the sums.
+
+    Drafts, draft tokens, accepted and accepted per position are summed; τ, acceptance rate
+    and per-position rate are None without drafts.
+    """
+    drafts = sum(c.get("drafts") or 0.0 for c in counters)
+    draft_tokens = sum(c.get("draft_tokens") or 0.0 for c in counters)
+    accepted = sum(c.get("accepted") or 0.0 for c in counters)
+    pos: list[float] = []
+    for c in counters:
+        p = c.get("accepted_per_position") or []
+        pos = [a + b for a, b in zip(pos or [0.0] * len(p), p, strict=True)]
     return {
-        "temperature": float(eag["temperature"]),
-        "concurrency": int(eag["concurrency"]),
-        "baseline_tok_s": b["output_tok_s"],
-        "eagle3_tok_s": e["output_tok_s"],
-        "speedup": e["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None,
-        "baseline_ttft_s": b["ttft_s_mean"],
-        "eagle3_ttft_s": e["ttft_s_mean"],
-        "baseline_itl_s": b["itl_s_mean"],
-        "eagle3_itl_s": e["itl_s_mean"],
-        "baseline_tpot_s": b["tpot_s_mean"],
-        "eagle3_tpot_s": e["tpot_s_mean"],
-        "failed": b["failed"] + e["failed"],
+        "drafts": drafts or None,
+        "draft_tokens": draft_tokens or None,
+        "accepted": accepted if drafts else None,
+        "accepted_per_position": pos or None,
+        "tau": mean_acceptance_length(accepted, drafts) if drafts else None,
+        "acceptance_rate": draft_acceptance_rate(accepted, draft_tokens) if draft_tokens else None,
+        "per_position_rate": [a / drafts for a in pos] if drafts and pos else None,
+    }
+
+
+def _row(bases: list[dict[str, Any]], eags: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from its windows, round by round (`bases[r]` and `eags[r]` ran in round r)."""
+    ratios = [
+        e["client"]["output_tok_s"] / b["client"]["output_tok_s"]
+        for b, e in zip(bases, eags, strict=True)
+        if b["client"]["output_tok_s"]
+    ]
+    ctr = _pool([e["counters"] for e in eags])
+
+    def med(side: list[dict[str, Any]], field: str) -> float | None:
+        xs = [w["client"][field] for w in side if w["client"][field] is not None]
+        return _median(xs) if xs else None
+
+    return {
+        "temperature": float(eags[0]["temperature"]),
+        "concurrency": int(eags[0]["concurrency"]),
+        "rounds": len(eags),
+        "baseline_tok_s": med(bases, "output_tok_s"),
+        "eagle3_tok_s": med(eags, "output_tok_s"),
+        "speedup": _median(ratios) if ratios else None,
+        "speedups": ratios,
+        "baseline_ttft_s": med(bases, "ttft_s_mean"),
+        "eagle3_ttft_s": med(eags, "ttft_s_mean"),
+        "baseline_itl_s": med(bases, "itl_s_mean"),
+        "eagle3_itl_s": med(eags, "itl_s_mean"),
+        "baseline_tpot_s": med(bases, "tpot_s_mean"),
+        "eagle3_tpot_s": med(eags, "tpot_s_mean"),
+        "failed": sum(w["client"]["failed"] for w in bases + eags),
         "tau": ctr["tau"],
         "acceptance_rate": ctr["acceptance_rate"],
         "per_position_rate": ctr["per_position_rate"],
     }
 
 
-def pair_rows(baseline: dict[str, Any], eagle3: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (temperature, concurrency) window both servers ran.
+def _windows(sweep: dict[str, Any]) -> dict[tuple[float, int], dict[str, Any]]:
+    return {_key(w): w for w in sweep["windows"]}
+
+
+def pair_rows(
+    baseline: dict[str, Any] | list[dict[str, Any]], eagle3: dict[str, Any] | list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per (temperature, concurrency) cell, from one sweep per server or one per round.
 
     Raises:
-        ArtifactError: the two sweeps did not run the same windows.
+        ArtifactError: the sweeps did not all run the same windows, or the rounds differ in
+            number.
     """
-    b = {_key(w): w for w in baseline["windows"]}
-    e = {_key(w): w for w in eagle3["windows"]}
-    if set(b) != set(e):
+    bases = baseline if isinstance(baseline, list) else [baseline]
+    eags = eagle3 if isinstance(eagle3, list) else [eagle3]
+    if len(bases) != len(eags) or not bases:
         raise ArtifactError(
-            f"bench: baseline windows {sorted(b)} differ from eagle3 windows {sorted(e)}; "
-            "both shards must run the same recipe (rerun bench)"
+            f"bench: {len(bases)} baseline rounds against {len(eags)} eagle3 rounds; rerun bench"
         )
-    return [_row(b[k], e[k]) for k in sorted(b)]
+    b, e = [_windows(x) for x in bases], [_windows(x) for x in eags]
+    cells = set(b[0])
+    for name, side in (("baseline", b), ("eagle3", e)):
+        for r, windows in enumerate(side):
+            if set(windows) != cells:
+                raise ArtifactError(
+                    f"bench: {name} windows {sorted(windows)} of round {r} differ from "
+                    f"baseline windows {sorted(cells)}; every shard must run the same recipe "
+                    "(rerun bench)"
+                )
+    return [_row([x[c] for x in b], [x[c] for x in e]) for c in sorted(cells)]
 
 
-def pooled_acceptance(eagle3: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def pooled_acceptance(eagle3: dict[str, Any] | list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per temperature: τ, acceptance rate and per-position rate over all its windows."""
-    pools: dict[str, dict[str, Any]] = {}
-    for w in eagle3["windows"]:
-        c = w["counters"]
-        if c.get("drafts") is None:
-            continue
-        p = pools.setdefault(
-            str(float(w["temperature"])),
-            {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "pos": []},
-        )
-        p["drafts"] += c["drafts"]
-        p["draft_tokens"] += c["draft_tokens"] or 0.0
-        p["accepted"] += c["accepted"] or 0.0
-        pos = c.get("accepted_per_position") or []
-        p["pos"] = [a + b for a, b in zip(p["pos"] or [0.0] * len(pos), pos, strict=True)]
+    sweeps = eagle3 if isinstance(eagle3, list) else [eagle3]
+    by_t: dict[str, list[dict[str, Any]]] = {}
+    for sweep in sweeps:
+        for w in sweep["windows"]:
+            if w["counters"].get("drafts") is not None:
+                by_t.setdefault(str(float(w["temperature"])), []).append(w["counters"])
     out = {}
-    for t, p in pools.items():
-        d = p["drafts"]
-        out[t] = {
-            "tau": mean_acceptance_length(p["accepted"], d) if d else None,
-            "acceptance_rate": draft_acceptance_rate(p["accepted"], p["draft_tokens"])
-            if p["draft_tokens"]
-            else None,
-            "per_position_rate": [a / d for a in p["pos"]] if d else None,
-        }
+    for t, counters in by_t.items():
+        p = _pool(counters)
+        out[t] = {k: p[k] for k in ("tau", "acceptance_rate", "per_position_rate")}
+    return out
+
+
+def by_k(shards: list[dict[str, Any]], k: int) -> dict[int, tuple[list[dict], list[dict]]]:
+    """Shard sweeps grouped as `{k: (baseline rounds, eagle3 rounds)}` in round order.
+
+    A sweep without `k` (written before `bench.measure_k` existed) counts as the recipe's
+    `k`, round 0.
+    """
+    out: dict[int, tuple[list[dict], list[dict]]] = {}
+    for sw in sorted(shards, key=lambda s: (s.get("k", k), s.get("round", 0))):
+        pair = out.setdefault(int(sw.get("k", k)), ([], []))
+        pair[0 if sw["mode"] == "baseline" else 1].append(sw)
     return out
 
 
 def build_report(
-    baseline: dict[str, Any],
-    eagle3: dict[str, Any],
+    shards: list[dict[str, Any]],
     meta: dict[str, Any],
     checks: list[dict[str, Any]],
     offline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Combine both shards' sweeps into the report dict (layout in the module docstring).
+    """Combine the bench shards' sweeps into the report dict (layout in the module docstring).
 
     Args:
-        baseline, eagle3: `bench/shard-00000.json` and `bench/shard-00001.json` contents.
+        shards: every `bench/shard-N.json`, each with its `mode`, `k` and `round`.
         meta: run facts copied into the report (run_id, target, k, prompt_set, ...).
         checks: `diagnosis.export_checks` results.
         offline: `{"tau", "epoch"}` of the served checkpoint on the held-out split, or None.
+
+    Raises:
+        ArtifactError: the recipe's k has no baseline and eagle3 sweeps, or they differ.
     """
     from services.bench.diagnosis import flags_for
     from services.bench.kchoice import k_plan
 
-    rows = pair_rows(baseline, eagle3)
-    pooled = pooled_acceptance(eagle3)
     k = int(meta.get("k") or 0)
-    plans = [p for p in (k_plan(r, k) for r in rows) if p] if k else []
+    groups = by_k(shards, k)
+    if k not in groups:
+        raise ArtifactError(f"bench: no sweep at the recipe's k={k} (have k={sorted(groups)})")
+    rows = pair_rows(*groups[k])
+    measured = {
+        other: {(r["temperature"], r["concurrency"]): r for r in pair_rows(*sides)}
+        for other, sides in groups.items()
+        if other != k
+    }
+    pooled = pooled_acceptance(groups[k][1])
+    plans = []
+    for r in rows if k else []:
+        cell = (r["temperature"], r["concurrency"])
+        at_k = {o: m[cell] for o, m in measured.items() if cell in m}
+        plan = k_plan(r, k, max(k + 2, *at_k) if at_k else None, at_k)
+        if plan:
+            plans.append(plan)
     return {
         **meta,
         "rows": rows,
@@ -234,28 +312,40 @@ def _vocab_lines(counts: dict[str, Any] | None) -> list[str]:
 
 
 def _k_lines(report: dict[str, Any]) -> list[str]:
-    """The predicted speedup per k per cell, with the measured one and the recommended k."""
+    """Per cell and k: predicted and (where served) measured speedup and τ; the k to serve."""
     plans = report.get("k_plans") or []
     if not plans:
         return []
     ks = [p["k"] for p in plans[0]["per_k"]]
     lines = [
-        f"Predicted speedup per k (services.bench.kchoice; fitted at the benchmarked "
-        f"k={report.get('k')}, * = extrapolated acceptance):",
+        f"Speedup per k, predicted / measured (services.bench.kchoice; fitted at the "
+        f"benchmarked k={report.get('k')}; measured at k = "
+        f"{', '.join(str(k) for k in [report.get('k'), *(report.get('measure_k') or [])])}, "
+        f"median of {report.get('rounds', 1)} round(s); * = extrapolated acceptance; "
+        "τ measured in brackets):",
         "",
         "| T | conc | cost/draft token | "
         + " | ".join(f"k={k}" for k in ks)
-        + " | measured | recommended k |",
-        "|---|---|---|" + "---|" * len(ks) + "---|---|",
+        + " | recommended k |",
+        "|---|---|---|" + "---|" * len(ks) + "---|",
     ]
+
+    def cell(x: dict[str, Any]) -> str:
+        out = f"{x['speedup']:.2f}x{'*' if x['extrapolated'] else ''}"
+        if x.get("measured_speedup") is not None:
+            out += f" / {x['measured_speedup']:.2f}x"
+            if x.get("measured_tau") is not None:
+                out += f" (τ {x['measured_tau']:.2f})"
+        return out
+
     for p in plans:
-        cells = " | ".join(
-            f"{x['speedup']:.2f}x{'*' if x['extrapolated'] else ''}" for x in p["per_k"]
-        )
         rk = p["recommended_k"] or "none pays"
+        if p["recommended_k"]:
+            rk = f"{rk} ({p.get('recommended_by', 'predicted')})"
         lines.append(
             f"| {p['temperature']:g} | {p['concurrency']} | {p['draft_token_cost']:.3f} | "
-            f"{cells} | {p['measured_speedup']:.2f}x | {rk} |"
+            + " | ".join(cell(x) for x in p["per_k"])
+            + f" | {rk} |"
         )
     return [*lines, ""]
 

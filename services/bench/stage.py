@@ -1,9 +1,12 @@
 """The bench and report stages (queue `bench`).
 
-- `bench`: shard 0 benchmarks the baseline server, shard 1 the eagle3 server (the stage
-  declares which server each shard needs; the conductor starts them before it enqueues),
-  and writes `bench/shard-N.json` (`services.bench.sweep`);
-- `report`: combines both shards into `report/` (report.json, report.md, speedup.png,
+- `bench`: each shard sweeps one server (`bench_plan`): for each k served (the recipe's
+  `num_speculative_tokens`, then `measure_k`) and each of `rounds` rounds, a baseline shard
+  and an eagle3 shard, so with the default one k and one round shard 0 is the baseline and
+  shard 1 eagle3. The conductor starts the servers each k's group needs and enqueues its
+  shards in order: side by side, the rounds alternate; one server at a time, each server
+  runs its rounds in a row. Each writes `bench/shard-N.json` (`services.bench.sweep`);
+- `report`: combines all shards into `report/` (report.json, report.md, speedup.png,
   acceptance.png), with flags (`services.bench.diagnosis`).
 """
 
@@ -13,11 +16,12 @@ import contextlib
 import fcntl
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from shared.artifacts import RunStore
 from shared.conventions import resolve_aux_layer_ids
-from shared.errors import ConfigError
+from shared.errors import ConfigError, StageFailedError
 from shared.recipe import Recipe
 from shared.stage import HOUR_S, ShardResult, StageContext, stage
 from shared.store import atomic_write_bytes, atomic_write_json, make_dirs
@@ -25,19 +29,61 @@ from shared.vllm import target_num_layers
 
 log = logging.getLogger("eyrie.bench")
 
-#: The server each bench shard measures.
-SHARD_MODES = {0: "baseline", 1: "eagle3"}
+
+@dataclass(frozen=True)
+class BenchShard:
+    """What one bench shard measures.
+
+    Attributes:
+        k: the eagle3 server's draft tokens per step in this shard's group.
+        round: the round (0-based) within that k's group.
+        mode: "baseline" or "eagle3".
+    """
+
+    k: int
+    round: int
+    mode: str
+
+
+def bench_plan(recipe: Recipe) -> list[BenchShard]:
+    """Every bench shard in order, per k served.
+
+    Side by side, each round is a baseline then an eagle3 shard, so the rounds alternate.
+    Otherwise (one server at a time) a k's baseline rounds come first, then its eagle3
+    rounds, so each server starts once per k.
+    """
+    b = recipe.bench
+    if b.side_by_side:
+        order = [(r, m) for r in range(b.rounds) for m in ("baseline", "eagle3")]
+    else:
+        order = [(r, m) for m in ("baseline", "eagle3") for r in range(b.rounds)]
+    return [BenchShard(k, r, m) for k in b.served_ks() for r, m in order]
+
+
+def bench_shard(recipe: Recipe, shard: int) -> BenchShard:
+    """Shard `shard` of `bench_plan`.
+
+    Raises:
+        ConfigError: no such shard in this recipe's plan.
+    """
+    plan = bench_plan(recipe)
+    if not 0 <= shard < len(plan):
+        raise ConfigError(f"bench shard must be 0..{len(plan) - 1} for this recipe (got {shard})")
+    return plan[shard]
 
 
 def shard_mode(recipe: Recipe, shard: int) -> str:
-    """The server mode bench shard `shard` measures (0 baseline, 1 eagle3).
+    """The server mode bench shard `shard` measures ("baseline" or "eagle3")."""
+    return bench_shard(recipe, shard).mode
 
-    Raises:
-        ConfigError: another shard number.
-    """
-    if shard not in SHARD_MODES:
-        raise ConfigError(f"bench shard must be 0 (baseline) or 1 (eagle3) (got {shard})")
-    return SHARD_MODES[shard]
+
+def server_recipe(recipe: Recipe, shard: int) -> Recipe:
+    """The recipe the servers of bench shard `shard` start with: its group's k."""
+    k = bench_shard(recipe, shard).k
+    if k == recipe.bench.num_speculative_tokens:
+        return recipe
+    bench = recipe.bench.model_copy(update={"num_speculative_tokens": k})
+    return recipe.model_copy(update={"bench": bench})
 
 
 def _side_by_side(recipe: Recipe) -> bool:
@@ -72,19 +118,26 @@ def measuring_alone(store: RunStore) -> Iterator[None]:
     "bench",
     queue="bench",
     timeout_s=4 * HOUR_S,
-    shards=len(SHARD_MODES),
+    shards=lambda recipe: len(bench_plan(recipe)),
     after=("export", "split"),
     gpu_phase="bench",
     server=shard_mode,
     side_by_side=_side_by_side,
+    server_recipe=server_recipe,
 )
 def bench_stage(ctx: StageContext) -> ShardResult:
-    """Sweep one server (shard 0 baseline, shard 1 eagle3) into `bench/shard-N.json`."""
+    """Sweep the server of `bench_plan`'s shard into `bench/shard-N.json`.
+
+    Raises:
+        StageFailedError: the eagle3 server drafts another k than the shard measures (a
+            server started by hand for `eyrie bench` without `--start`).
+    """
     from services.bench.prompts import benchmark_messages
     from services.bench.sweep import sweep_server, with_second_turns
 
     store, cfg = ctx.store, ctx.recipe.bench
-    mode = shard_mode(ctx.recipe, ctx.shard)
+    plan = bench_shard(ctx.recipe, ctx.shard)
+    mode = plan.mode
     url = ctx.server_url(mode)
     extras = request_extras(ctx.recipe)
     prompts, source = benchmark_messages(store, ctx.recipe)
@@ -99,7 +152,15 @@ def bench_stage(ctx: StageContext) -> ShardResult:
                 bar.update(1, tok_s=round(w["client"]["output_tok_s"], 1), tau=tau)
 
             result = sweep_server(url, mode, prompts, cfg, tick, extras)
-    result = {**result, "prompt_source": source, "second_turn": cfg.second_turn}
+    if mode == "eagle3":
+        check_served_k(result, plan.k)
+    result = {
+        **result,
+        "k": plan.k,
+        "round": plan.round,
+        "prompt_source": source,
+        "second_turn": cfg.second_turn,
+    }
     out = store.bench.write_shard(ctx.shard, result)
     counts = {
         "windows": len(result["windows"]),
@@ -109,6 +170,22 @@ def bench_stage(ctx: StageContext) -> ShardResult:
     return ShardResult(counts, [out], {"mode": mode})
 
 
+def check_served_k(sweep: dict[str, Any], k: int) -> None:
+    """Raise StageFailedError unless the eagle3 sweep's counters show `k` draft positions.
+
+    vLLM exports one `accepted_per_position` series per drafted position, so its length is
+    the server's `num_speculative_tokens`.
+    """
+    for w in sweep["windows"]:
+        pos = w["counters"].get("accepted_per_position")
+        if pos and len(pos) != k:
+            raise StageFailedError(
+                f"{sweep['url']}: the eagle3 server drafts {len(pos)} tokens per step, this "
+                f"bench shard measures k={k}; serve that k, or let `eyrie bench --start` "
+                "start the servers"
+            )
+
+
 def report_meta(store: RunStore, recipe: Recipe) -> dict[str, Any]:
     """Run facts the report header shows."""
     b = recipe.bench
@@ -116,6 +193,8 @@ def report_meta(store: RunStore, recipe: Recipe) -> dict[str, Any]:
         "run_id": store.run_id,
         "target": recipe.target.path,
         "k": b.num_speculative_tokens,
+        "measure_k": b.measure_k,
+        "rounds": b.rounds,
         "prompt_set": b.prompt_set,
         "num_prompts": b.num_prompts,
         "max_tokens": b.max_tokens,
@@ -174,7 +253,7 @@ def vocab_counts(store: RunStore) -> dict[str, Any] | None:
 
 @stage("report", queue="bench", timeout_s=HOUR_S, after=("bench",))
 def report_stage(ctx: StageContext) -> ShardResult:
-    """Combine both bench shards into the report folder.
+    """Combine every bench shard into the report folder.
 
     Raises:
         ArtifactError: a bench shard is missing.
@@ -183,10 +262,9 @@ def report_stage(ctx: StageContext) -> ShardResult:
     from services.bench.report import build_report, to_markdown
 
     store, art = ctx.store, ctx.store.report
-    shards = [store.bench.read_shard(s) for s in SHARD_MODES]
+    shards = [store.bench.read_shard(s) for s in range(len(bench_plan(ctx.recipe)))]
     report = build_report(
-        shards[0],
-        shards[1],
+        shards,
         report_meta(store, ctx.recipe),
         export_checks(store, ctx.recipe),
         offline_tau(store),

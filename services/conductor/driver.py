@@ -78,7 +78,8 @@ def stage_phase(
     with gpu_lease(conn, stage.gpu_phase, store.run_id, outage_s=outage_s) as lease:
         modes = stage.servers(recipe, shards)
         if modes:
-            with serving(recipe, store, modes):
+            # shard_groups never mixes server recipes: the first shard's is the group's.
+            with serving(stage.server_recipe(recipe, shards[0]), store, modes):
                 yield lease.check
         else:
             yield lease.check

@@ -110,8 +110,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     shards = bench.shard_numbers(store)
     for group in bench.shard_groups(recipe, shards):
         modes = bench.servers(recipe, group)
+        server_recipe = bench.server_recipe(recipe, group[0])
         ctx: contextlib.AbstractContextManager[dict[str, str]] = (
-            serving(recipe, store, modes) if args.start else contextlib.nullcontext({})
+            serving(server_recipe, store, modes) if args.start else contextlib.nullcontext({})
         )
         with ctx as started:
             for shard in group:

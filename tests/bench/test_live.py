@@ -125,3 +125,54 @@ def test_random_draft_tau_is_one_and_flagged_via_cli(
     assert len(answers) == 3 and all(answers)
     # The baseline exports no spec-decode counters.
     assert all(w["counters"]["drafts"] is None for w in base["windows"])
+
+
+def test_measured_k_and_rounds_each_start_their_own_servers(zero_server, tmp_path, data_dir):
+    """`eyrie bench --start` with `bench.measure_k` [1] and 2 rounds on the zero-lm_head pair,
+    where τ is exactly k + 1: each eagle3 shard's server drafts the k the shard claims."""
+    import shutil
+
+    from services.conductor.cli import main
+    from tests.vllm_fixtures import fixture_recipe_dict
+
+    target = Path(zero_server.recipe.target.path)
+    data = fixture_recipe_dict(target, free_port(), free_port())
+    data["name"] = "bench-k"
+    data["bench"] = {
+        **BENCH,
+        "num_prompts": 2,
+        "max_tokens": 16,
+        "concurrency": [1],
+        "temperatures": [0.0],
+        "rounds": 2,
+        "measure_k": [1],
+    }
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(data))
+    store = RunStore.create(resolve_recipe(recipe_file))
+    shutil.copytree(zero_server.draft, store.export.vllm_draft)
+    assert main(["bench", str(recipe_file), "--start"]) == 0
+
+    shards = [store.bench.read_shard(s) for s in range(8)]
+    assert [(s["k"], s["round"], s["mode"]) for s in shards] == [
+        (k, r, m) for k in (K, 1) for r in (0, 1) for m in ("baseline", "eagle3")
+    ]
+    for s in shards:
+        (w,) = s["windows"]
+        if s["mode"] == "eagle3":
+            assert w["counters"]["tau"] == s["k"] + 1
+            assert w["counters"]["per_position_rate"] == [1.0] * s["k"]
+        else:
+            assert w["counters"]["drafts"] is None
+    report = store.report.read()
+    (row,) = report["rows"]
+    assert row["tau"] == K + 1 and len(row["speedups"]) == 2
+    ratios = [
+        e["windows"][0]["client"]["output_tok_s"] / b["windows"][0]["client"]["output_tok_s"]
+        for b, e in zip(shards[0:4:2], shards[1:4:2], strict=True)
+    ]
+    assert row["speedups"] == pytest.approx(ratios)
+    (plan,) = report["k_plans"]
+    by = {x["k"]: x for x in plan["per_k"]}
+    assert (by[1]["measured_tau"], by[K]["measured_tau"]) == (2.0, K + 1)
+    assert by[2]["measured_speedup"] is None and by[1]["measured_speedup"] > 0

@@ -65,9 +65,10 @@ META = {
 
 
 def _shards(eagle_tok: tuple[float, float], ctrs: tuple[dict, dict]):
-    base = {"windows": [_window(0.0, 1, 90.0), _window(0.0, 8, 400.0)]}
+    base = {"mode": "baseline", "windows": [_window(0.0, 1, 90.0), _window(0.0, 8, 400.0)]}
     eag = {
-        "windows": [_window(0.0, 1, eagle_tok[0], ctrs[0]), _window(0.0, 8, eagle_tok[1], ctrs[1])]
+        "mode": "eagle3",
+        "windows": [_window(0.0, 1, eagle_tok[0], ctrs[0]), _window(0.0, 8, eagle_tok[1], ctrs[1])],
     }
     return base, eag
 
@@ -75,7 +76,7 @@ def _shards(eagle_tok: tuple[float, float], ctrs: tuple[dict, dict]):
 def test_slower_draft_with_decent_tau_is_flagged_slower():
     # The real case: tau 2.1 yet 82.3 tok/s against 90: speedup 0.914 at c=1.
     base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
-    rep = build_report(base, eag, META, [])
+    rep = build_report([base, eag], META, [])
     rows = {r["concurrency"]: r for r in rep["rows"]}
     assert rows[1]["speedup"] == pytest.approx(82.3 / 90.0)
     assert rows[8]["speedup"] == pytest.approx(1.2)
@@ -99,7 +100,7 @@ def test_slower_draft_with_decent_tau_is_flagged_slower():
 
 def test_k_plan_predicts_from_step_costs_and_per_position_acceptance():
     base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
-    rep = build_report(base, eag, META, [])
+    rep = build_report([base, eag], META, [])
     plan = next(p for p in rep["k_plans"] if p["concurrency"] == 1)
     # By hand: one eagle3 step takes tau/82.3 s and yields 2.1 tokens; a baseline token takes
     # 1/90 s. Cost of a drafted token in target steps: (2.1/82.3*90 - 1)/3.
@@ -114,8 +115,9 @@ def test_k_plan_predicts_from_step_costs_and_per_position_acceptance():
     # At the benchmarked k the model reproduces the measurement it was fitted on.
     assert plan["per_k"][2]["speedup"] == pytest.approx(82.3 / 90)
     assert plan["recommended_k"] == 1 and plan["predicted_speedup"] == pytest.approx(want[0])
-    assert "| 0 | 1 | 0.432 | 1.12x | 1.02x | 0.91x | 0.82x* | 0.73x* | 0.91x | 1 |" in (
-        to_markdown(rep)
+    assert (
+        "| 0 | 1 | 0.432 | 1.12x | 1.02x | 0.91x / 0.91x (τ 2.10) | 0.82x* | 0.73x* | "
+        "1 (predicted) |" in to_markdown(rep)
     )
 
 
@@ -125,7 +127,7 @@ PASSED_D2T = {"check": "d2t", "passed": True, "detail": "offsets"}
 
 def test_tau_near_one_is_flagged_with_checked_confirmed_and_open_causes():
     base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
-    rep = build_report(base, eag, META, [FAILED_IDS, PASSED_D2T])
+    rep = build_report([base, eag], META, [FAILED_IDS, PASSED_D2T])
     low = [f for f in rep["flags"] if f["kind"] == "low_tau"][0]
     # Per cell, not pooled: 1 + 0/40 and 1 + 2/80.
     assert "T=0 c=1: tau 1.000, T=0 c=8: tau 1.025" in low["message"]
@@ -153,7 +155,7 @@ def test_tau_near_one_is_flagged_with_checked_confirmed_and_open_causes():
 )
 def test_offline_tau_tells_a_weak_draft_from_a_serving_mismatch(offline_tau, cause):
     base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
-    rep = build_report(base, eag, META, [PASSED_D2T], {"tau": offline_tau, "epoch": 4})
+    rep = build_report([base, eag], META, [PASSED_D2T], {"tau": offline_tau, "epoch": 4})
     low = next(f for f in rep["flags"] if f["kind"] == "low_tau")
     (open_,) = low["open_causes"]
     assert open_["cause"].startswith(cause)
@@ -165,7 +167,7 @@ def test_offline_tau_tells_a_weak_draft_from_a_serving_mismatch(offline_tau, cau
 
 def test_speedup_falling_with_concurrency_is_an_open_cause():
     base, eag = _shards((108.0, 320.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 20, [9, 7, 4])))
-    rep = build_report(base, eag, META, [PASSED_D2T])
+    rep = build_report([base, eag], META, [PASSED_D2T])
     (slow,) = rep["flags"]
     assert slow["message"] == "eagle3 is slower than the baseline at T=0 c=8: 0.80x"
     conc = next(c for c in slow["open_causes"] if c["cause"].startswith("concurrency"))
@@ -174,7 +176,7 @@ def test_speedup_falling_with_concurrency_is_an_open_cause():
 
 def test_markdown_counts_the_regenerated_data():
     base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
-    rep = build_report(base, eag, META, [])
+    rep = build_report([base, eag], META, [])
     rep["regen"] = {
         "input": 320,
         "success": 290,
@@ -199,14 +201,15 @@ def test_markdown_counts_the_regenerated_data():
 
 def test_acceptance_collapsing_at_temperature_is_an_open_cause():
     # Greedy: 1 + 31/100 accepted per step; T=0.7: 1 + 1.4/100 (the demo numbers).
-    base = {"windows": [_window(0.0, 1, 20.0), _window(0.7, 1, 20.0)]}
+    base = {"mode": "baseline", "windows": [_window(0.0, 1, 20.0), _window(0.7, 1, 20.0)]}
     eag = {
+        "mode": "eagle3",
         "windows": [
             _window(0.0, 1, 20.4, _ctr(100, 31, [26, 4, 1])),
             _window(0.7, 1, 18.0, _ctr(100, 1.4, [1.4, 0, 0])),
-        ]
+        ],
     }
-    rep = build_report(base, eag, META, [PASSED_D2T])
+    rep = build_report([base, eag], META, [PASSED_D2T])
     (slow,) = rep["flags"]
     sampled = [c for c in slow["open_causes"] if c["cause"].startswith("sampling")]
     assert [c["evidence"] for c in sampled] == ["τ 1.014 at T=0.7 c=1 against 1.310 at T=0 c=1"]
@@ -214,7 +217,7 @@ def test_acceptance_collapsing_at_temperature_is_an_open_cause():
 
 def test_markdown_shows_the_draft_vocabulary_and_its_head_savings():
     base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
-    rep = build_report(base, eag, META, [])
+    rep = build_report([base, eag], META, [])
     # SmolLM2: 49,152 target tokens, H = 576; a 6,000-token draft head leaves out 43,152 rows.
     rep["vocab"] = {
         "draft_vocab": 6000,
@@ -231,9 +234,64 @@ def test_markdown_shows_the_draft_vocabulary_and_its_head_savings():
     )
 
 
+def _tagged(sweep: dict, k: int, rnd: int) -> dict:
+    return {**sweep, "k": k, "round": rnd}
+
+
+def test_rounds_give_the_median_ratio_and_counters_summed_over_rounds():
+    # Three rounds at c=1: eagle3/baseline 100/90, 81/90 (a slow eagle3 round), 99/110.
+    shards = []
+    for rnd, (b1, e1) in enumerate([(90.0, 100.0), (90.0, 81.0), (110.0, 99.0)]):
+        base, eag = _shards((e1, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
+        base["windows"][0]["client"]["output_tok_s"] = b1
+        eag["windows"][0]["counters"] = _ctr(10 * (rnd + 1), 5 * (rnd + 1), [5 * (rnd + 1), 0, 0])
+        shards += [_tagged(base, 3, rnd), _tagged(eag, 3, rnd)]
+    rep = build_report(shards[::-1], {**META, "rounds": 3}, [])  # order of files: irrelevant
+    row = next(r for r in rep["rows"] if r["concurrency"] == 1)
+    assert row["speedups"] == pytest.approx([100 / 90, 81 / 90, 99 / 110])
+    assert row["speedup"] == pytest.approx(0.9)  # the median of 1.111, 0.9, 0.9
+    assert row["baseline_tok_s"] == 90.0 and row["eagle3_tok_s"] == 99.0  # each side's median
+    # Counters of the three rounds summed: 1 + (5 + 10 + 15) / (10 + 20 + 30).
+    assert row["tau"] == pytest.approx(1.5)
+    assert row["per_position_rate"] == pytest.approx([0.5, 0, 0])
+
+
+def test_measured_k_sits_next_to_the_prediction_and_decides_the_recommendation():
+    base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
+    # k=1 served too: measured 88.2 tok/s at c=1 against 90 (0.98x), though 1.12x was predicted.
+    b1, e1 = _shards((88.2, 560.0), (_ctr(10, 5, [5], k=1), _ctr(10, 6, [6], k=1)))
+    shards = [_tagged(base, 3, 0), _tagged(eag, 3, 0), _tagged(b1, 1, 0), _tagged(e1, 1, 0)]
+    rep = build_report(shards, {**META, "measure_k": [1]}, [])
+    plan = next(p for p in rep["k_plans"] if p["concurrency"] == 1)
+    by = {x["k"]: x for x in plan["per_k"]}
+    c = (2.1 / 82.3 * 90 - 1) / 3
+    assert by[1]["speedup"] == pytest.approx(1.6 / (1 + c))
+    assert by[1]["measured_speedup"] == pytest.approx(88.2 / 90)
+    assert by[1]["measured_tau"] == pytest.approx(1.5)
+    assert by[3]["measured_speedup"] == pytest.approx(82.3 / 90)
+    assert by[2]["measured_speedup"] is None
+    # Measured, k=1 does not pay; k=2 is only predicted (1.02x): it is the recommendation.
+    assert plan["recommended_k"] == 2 and plan["recommended_by"] == "predicted"
+    md = to_markdown(rep)
+    assert "measured at k = 3, 1, median of 1 round(s)" in md
+    assert "| 0 | 1 | 0.432 | 1.12x / 0.98x (τ 1.50) | 1.02x | 0.91x / 0.91x (τ 2.10) |" in md
+    # At c=8 k=1 measured 560/400 = 1.4x, above every prediction there (k=2: 1.9/1.5).
+    plan8 = next(p for p in rep["k_plans"] if p["concurrency"] == 8)
+    assert plan8["recommended_k"] == 1 and plan8["recommended_by"] == "measured"
+    assert plan8["recommended_speedup"] == pytest.approx(1.4)
+
+
+def test_a_report_without_the_recipes_k_is_refused():
+    from shared.errors import ArtifactError
+
+    base, eag = _shards((1.0, 1.0), (_ctr(1, 1, [1]), _ctr(1, 1, [1])))
+    with pytest.raises(ArtifactError, match="no sweep at the recipe's k=3"):
+        build_report([_tagged(base, 1, 0), _tagged(eag, 1, 0)], META, [])
+
+
 def test_good_run_has_no_flags():
     base, eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
-    rep = build_report(base, eag, META, [])
+    rep = build_report([base, eag], META, [])
     assert rep["flags"] == []
     assert "No flags" in to_markdown(rep)
 
@@ -244,7 +302,7 @@ def test_mismatched_windows_are_refused():
     base, eag = _shards((1.0, 1.0), (_ctr(1, 1, [1, 0, 0]), _ctr(1, 1, [1, 0, 0])))
     eag["windows"][1]["concurrency"] = 16
     with pytest.raises(ArtifactError, match="differ"):
-        build_report(base, eag, META, [])
+        build_report([base, eag], META, [])
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -335,8 +393,8 @@ def test_report_stage_without_a_bench_shard_fails(tmp_path, smollm2_path):
 def _two_reports():
     a_base, a_eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
     b_base, b_eag = _shards((180.0, 600.0), (_ctr(10, 20, [9, 7, 4]), _ctr(10, 18, [8, 6, 4])))
-    return build_report(a_base, a_eag, META, []), build_report(
-        b_base, b_eag, {**META, "run_id": "r2"}, []
+    return build_report([a_base, a_eag], META, []), build_report(
+        [b_base, b_eag], {**META, "run_id": "r2"}, []
     )
 
 
@@ -350,10 +408,10 @@ def test_compare_puts_one_reports_prediction_next_to_the_others_measurement():
     from services.bench.report import compare_markdown
 
     base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
-    a = build_report(base, eag, META, [])
+    a = build_report([base, eag], META, [])
     # B benchmarked k=1 on the same prompts: 100.8 tok/s at c=1 (1.12x), 500 at c=8.
     b_base, b_eag = _shards((100.8, 500.0), (_ctr(10, 6, [6], k=1), _ctr(10, 6, [6], k=1)))
-    b = build_report(b_base, b_eag, {**META, "run_id": "r2", "k": 1}, [])
+    b = build_report([b_base, b_eag], {**META, "run_id": "r2", "k": 1}, [])
     out = compare_markdown(a, b)
     assert "r1 (k=3) predicted vs r2 (k=1) measured:" in out
     c1 = (2.1 / 82.3 * 90 - 1) / 3  # A's cost of a drafted token at c=1

@@ -143,6 +143,56 @@ def test_servers_each_stage_needs(recipe):
     assert get_stage("bench").shard_groups(recipe, [0, 1]) == [[0, 1]]
 
 
+def test_bench_rounds_alternate_and_each_measured_k_gets_its_own_servers(recipe, tmp_path):
+    from services.bench.stage import bench_plan
+    from shared.vllm import speculative_config
+
+    bench = get_stage("bench")
+    r = resolve_recipe(
+        {**recipe.model_dump(mode="json"), "bench": {"rounds": 2, "measure_k": [1, 3, 2]}}
+    )
+    # k=3 is the recipe's own: served once. Per k, per round, baseline then eagle3.
+    assert [(p.k, p.round, p.mode) for p in bench_plan(r)] == [
+        (k, rnd, mode) for k in (3, 1, 2) for rnd in (0, 1) for mode in ("baseline", "eagle3")
+    ]
+    store = RunStore.create(r, root=tmp_path / "data")
+    shards = bench.shard_numbers(store)
+    assert shards == list(range(12))
+    # The servers of one k run together, its rounds enqueued in order; the next k restarts.
+    assert bench.shard_groups(r, shards) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert bench.servers(r, [4, 5, 6, 7]) == ["baseline", "eagle3"]
+    ks = [speculative_config(bench.server_recipe(r, s), "eagle3", tmp_path) for s in (1, 5, 9)]
+    assert [c["num_speculative_tokens"] for c in ks if c] == [3, 1, 2]
+    assert bench.server_recipe(r, 0) is r  # the recipe's own k: the run's recipe unchanged
+    # A shard is resumed from where it stopped: the remaining ones keep their k groups.
+    assert bench.shard_groups(r, [3, 4, 9]) == [[3], [4], [9]]
+    # One server at a time: no alternation; each server starts once per k for its rounds.
+    seq = resolve_recipe(
+        {**r.model_dump(mode="json"), "bench": {**r.bench.model_dump(), "side_by_side": False}}
+    )
+    assert [(p.k, p.round, p.mode) for p in bench_plan(seq)][:4] == [
+        (3, 0, "baseline"),
+        (3, 1, "baseline"),
+        (3, 0, "eagle3"),
+        (3, 1, "eagle3"),
+    ]
+    groups = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert bench.shard_groups(seq, list(range(12))) == groups
+    assert bench.servers(seq, [2, 3]) == ["eagle3"]
+
+
+def test_bench_refuses_a_server_drafting_another_k():
+    from services.bench.stage import check_served_k
+    from shared.errors import StageFailedError
+
+    sweep = {"url": "http://h:1", "windows": [{"counters": {"accepted_per_position": [5, 2, 1]}}]}
+    check_served_k(sweep, 3)
+    with pytest.raises(
+        StageFailedError, match="drafts 3 tokens per step, this bench shard measures k=1"
+    ):
+        check_served_k(sweep, 1)
+
+
 def test_serving_refuses_before_starting_anything(recipe, smollm2_path, tmp_path, monkeypatch):
     monkeypatch.setenv("EYRIE_DATA", str(tmp_path / "data"))
     store = RunStore.create(recipe, root=tmp_path / "data")
