@@ -40,6 +40,8 @@ QUICK_OVERRIDES = [
     "bench.max_tokens=64",
     "bench.concurrency=[1, 4]",
     "bench.temperatures=[0.0]",
+    "bench.measure_k=[]",
+    "bench.rounds=1",
 ]
 
 #: (queues, count): the demo's workers. Extract and train are non-forking (model loaded once).
