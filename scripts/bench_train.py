@@ -282,7 +282,7 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
                 t1 = time.perf_counter()
                 loss.backward()
                 fwd, bwd = t1 - t0, time.perf_counter() - t1
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.optim.zero_grad(set_to_none=True)
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         attn = sum(

@@ -320,6 +320,14 @@ class TrainConfig(Section):
     )
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps spent warming up.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="'adamw', or 'muon' (speculators' default: Muon on the 2-D weight matrices, "
+        "AdamW on norms, biases, embeddings and lm_head; services/train/optim.py).",
+    )
+    muon_lr: float | None = Field(
+        None, gt=0, description="Peak lr of the Muon group (train.optimizer muon); default lr."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     ttt_steps: int = Field(
         3, gt=0, description="Training-time test: draft steps unrolled on its own outputs."

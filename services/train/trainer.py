@@ -2,7 +2,8 @@
 
 Responsibility: drive speculators' `Eagle3DraftModel.forward` (training-time test) with the
 chunked forward-KL loss of `services.train.loss` (against the teacher restricted to the draft
-vocab, `decay**j` step weights), AdamW, warm-up + decay, gradient clipping, optional bf16
+vocab, `decay**j` step weights), AdamW or Muon + AdamW (`services.train.optim`), warm-up +
+decay, gradient clipping, optional bf16
 autocast and hidden-state noise; validate and checkpoint every epoch; resume from the latest
 checkpoint.
 
@@ -49,6 +50,7 @@ from services.train.memory import (
     step_memory,
 )
 from services.train.metrics import MetricsLog, plot, step_metrics
+from services.train.optim import Optimizers, build_optimizers
 from services.train.packing import (
     collate,
     count_truncated,
@@ -125,13 +127,10 @@ class Trainer:
         draft = build_draft(recipe, *store.vocab.read_maps(), device=self.rt.device)
         draft = draft.to(self.rt.device)
         self.model = self.rt.wrap(draft)
-        params = [p for p in draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
-        )
         self.total_steps = sum(len(p) for p in self.plans)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_shape(self.total_steps, self.cfg.warmup_ratio, self.cfg.scheduler)
+        self.optim = Optimizers(
+            build_optimizers(draft, self.cfg),
+            lr_shape(self.total_steps, self.cfg.warmup_ratio, self.cfg.scheduler),
         )
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
         self.state = ckpt.TrainState()
@@ -186,8 +185,7 @@ class Trainer:
         if self.state.micro_tokens is None or self.state.micro_tokens > self.memory["micro_tokens"]:
             self.state.micro_tokens = self.memory["micro_tokens"]
         load_trainable_state(self.draft, weights)
-        self.optimizer.load_state_dict(ts["optimizer"])
-        self.scheduler.load_state_dict(ts["scheduler"])
+        self.optim.load_state_dict(ts)
         self._set_rng(ts["rng"])
         if self.rt.is_main:
             self.log.truncate_after(self.state.step)
@@ -216,11 +214,7 @@ class Trainer:
             folder,
             trainable_state(self.draft),
             self.state,
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": self._rng(),
-            },
+            {**self.optim.state_dict(), "rng": self._rng()},
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -269,7 +263,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         samples = [self.read(r) for r in refs]
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optim.lr()
         while True:
             try:
                 raw, tokens = self.step_loss(samples, train=True)
@@ -281,8 +275,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.draft.parameters() if p.requires_grad], self.cfg.grad_clip
         )
-        self.optimizer.step()
-        self.scheduler.step()
+        self.optim.step()
         metrics = step_metrics(raw, self.cfg.ttt_steps, self.cfg.step_loss_decay)
         dt = time.perf_counter() - t0
         return {
@@ -300,7 +293,7 @@ class Trainer:
         Raises:
             MemoryError: micro_tokens is already at MIN_MICRO_TOKENS.
         """
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optim.zero_grad(set_to_none=True)
         release_cached()
         old = self.micro_tokens
         if old // 2 < MIN_MICRO_TOKENS:
@@ -343,7 +336,7 @@ class Trainer:
         groups = _micro_batches(lengths, self.micro_tokens)
         raw: dict[str, float] = {}
         if train:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optim.zero_grad(set_to_none=True)
         for g, idx in enumerate(groups):
             batch = self.to_device(collate([samples[i] for i in idx], tps))
             if train and self.cfg.noise_std > 0:
