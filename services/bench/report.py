@@ -101,17 +101,13 @@ def _windows(sweep: dict[str, Any]) -> dict[tuple[float, int], dict[str, Any]]:
     return {_key(w): w for w in sweep["windows"]}
 
 
-def pair_rows(
-    baseline: dict[str, Any] | list[dict[str, Any]], eagle3: dict[str, Any] | list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """One row per (temperature, concurrency) cell, from one sweep per server or one per round.
+def pair_rows(bases: list[dict[str, Any]], eags: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (temperature, concurrency) cell from each server's sweeps, one per round.
 
     Raises:
         ArtifactError: the sweeps did not all run the same windows, or the rounds differ in
             number.
     """
-    bases = baseline if isinstance(baseline, list) else [baseline]
-    eags = eagle3 if isinstance(eagle3, list) else [eagle3]
     if len(bases) != len(eags) or not bases:
         raise ArtifactError(
             f"bench: {len(bases)} baseline rounds against {len(eags)} eagle3 rounds; rerun bench"
@@ -129,9 +125,8 @@ def pair_rows(
     return [_row([x[c] for x in b], [x[c] for x in e]) for c in sorted(cells)]
 
 
-def pooled_acceptance(eagle3: dict[str, Any] | list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per temperature: τ, acceptance rate and per-position rate over all its windows."""
-    sweeps = eagle3 if isinstance(eagle3, list) else [eagle3]
+def pooled_acceptance(sweeps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per temperature: τ, acceptance rate and per-position rate over all eagle3 windows."""
     by_t: dict[str, list[dict[str, Any]]] = {}
     for sweep in sweeps:
         for w in sweep["windows"]:
