@@ -211,6 +211,13 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
+def _speedup(r: dict[str, Any]) -> str:
+    """The median speedup, with the rounds' range when there were several."""
+    rounds = r.get("speedups") or []
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{_f(r['speedup'])}x{spread}"
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: a summary line, the per-window table, then the flags."""
     lines = [
@@ -218,7 +225,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         f"target `{report.get('target', '?')}`, k={report.get('k', '?')}, "
         f"{report.get('num_prompts', '?')} {report.get('prompt_set', '?')} prompts, "
-        f"max_tokens {report.get('max_tokens', '?')}",
+        f"max_tokens {report.get('max_tokens', '?')}; tok/s and speedup: median of "
+        f"{report.get('rounds', 1)} round(s), the rounds' range in brackets",
         "",
         "| T | conc | baseline tok/s | eagle3 tok/s | speedup | τ | accept rate | "
         "per-position | TTFT ms (b/e) | ITL ms (b/e) |",
@@ -228,7 +236,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         pos = " ".join(_f(p) for p in r["per_position_rate"] or []) or "-"
         lines.append(
             f"| {r['temperature']:g} | {r['concurrency']} | {_f(r['baseline_tok_s'], '.1f')} | "
-            f"{_f(r['eagle3_tok_s'], '.1f')} | {_f(r['speedup'])}x | {_f(r['tau'], '.3f')} | "
+            f"{_f(r['eagle3_tok_s'], '.1f')} | {_speedup(r)} | {_f(r['tau'], '.3f')} | "
             f"{_f(r['acceptance_rate'], '.3f')} | {pos} | "
             f"{_ms(r['baseline_ttft_s'])}/{_ms(r['eagle3_ttft_s'])} | "
             f"{_ms(r['baseline_itl_s'])}/{_ms(r['eagle3_itl_s'])} |"

@@ -254,6 +254,7 @@ def test_rounds_give_the_median_ratio_and_counters_summed_over_rounds():
     # Counters of the three rounds summed: 1 + (5 + 10 + 15) / (10 + 20 + 30).
     assert row["tau"] == pytest.approx(1.5)
     assert row["per_position_rate"] == pytest.approx([0.5, 0, 0])
+    assert "| 0 | 1 | 90.0 | 99.0 | 0.90x (0.90-1.11) | 1.500 |" in to_markdown(rep)
 
 
 def test_measured_k_sits_next_to_the_prediction_and_decides_the_recommendation():
