@@ -278,6 +278,27 @@ def test_uncapped_datasets_are_planned_without_data_sizes(smollm2_path, tmp_path
     assert "prep.max_samples" in plan.notes[0]
 
 
+def test_bench_is_planned_per_k_served_and_round(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("EYRIE_DATA", str(tmp_path / "data"))
+    base = {"name": "b", "target": {"path": str(smollm2_path)}, "datasets": [{"preset": "math"}]}
+    bench = {"num_prompts": 8, "max_tokens": 64, "concurrency": [1, 4, 8], "temperatures": [0.0]}
+
+    def planned(**more):
+        recipe = resolve_recipe({**base, "bench": {**bench, **more}})
+        plan = make_plan(recipe)
+        (stage,) = [s for s in plan.stages if s.name == "bench"]
+        return stage.seconds, stage.note
+
+    one, note = planned()
+    assert note == "2 server starts"
+    # k = 3, 1, 2 in 2 rounds: 6 servers, each sweeping 8 x 64 tokens x 3 concurrencies twice.
+    three, note = planned(measure_k=[1, 2, 3], rounds=2)
+    assert note == "6 server starts"
+    rates = resolve_recipe(base).rates
+    load = (one - 2 * 8 * 64 * 3 / rates.regen_tokens_per_s) / 2
+    assert three == pytest.approx(6 * load + 6 * 2 * 8 * 64 * 3 / rates.regen_tokens_per_s)
+
+
 def test_run_refuses_a_run_the_disk_cannot_hold(smollm2_path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EYRIE_DATA", str(tmp_path / "data"))
     recipe_file = tmp_path / "r.yaml"
