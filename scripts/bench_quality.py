@@ -14,8 +14,9 @@ regeneration is off here: it needs a vLLM server). The held-out split is cut in 
 
 Sides (one process tree, alternating chunk by chunk so load swings hit both; each side's
 clock runs only while it trains or validates, and each stops when its budget is spent):
-- "eyrie": `services.train.trainer.Trainer` as the train stage runs it (AdamW, warm-up +
-  decay, packing, per-epoch validation with simulated τ and checkpoint selection).
+- "eyrie": `services.train.trainer.Trainer` as the train stage runs it (AdamW, or Muon with
+  `-o train.optimizer=muon`; warm-up + decay, packing, per-epoch validation with simulated τ
+  and checkpoint selection).
 - "reference": `speculators.train.trainer.Trainer` as shipped, on the same draft
   architecture and init (`build_draft`), with the library's defaults for the rest: Muon
   (2-D weights) + AdamW, lr 1e-3, linear schedule, weight decay 0.01, 2,048-token packed
