@@ -75,8 +75,9 @@ def test_mixed_length_batch_matches_one_at_a_time(smollm2_path, smollm2_model, s
         batch_err, bf16_err = _rel_err(got, alone), _rel_err(alone, ref)
         assert float(batch_err.max()) <= float(bf16_err.max()), len(ids)
         assert float(batch_err.mean()) <= float(bf16_err.mean()), len(ids)
-    # The longest sample has no padding: bit-identical to running it alone.
-    assert torch.equal(together[-1], extract_batch(smollm2_model, [batch[-1]], AUX)[0])
+    # The longest sample has no padding. It is bit-identical to running it alone only where
+    # the bf16 matmul kernel does not block by batch size (AMX does), so the measured bf16
+    # bound above is its check too.
 
 
 def test_aux_id_out_of_range_is_refused(smollm2_model):

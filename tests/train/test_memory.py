@@ -113,7 +113,10 @@ def test_micro_batches_of_whole_samples_equal_the_unsplit_step(make_run, smollm2
             assert raw_s[key] == pytest.approx(want, rel=1e-5, abs=1e-9), key
     for (name, p), q in zip(whole.draft.named_parameters(), split.draft.parameters(), strict=True):
         if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+            # Summing in another order rounds by a few ulps of the largest terms, not of each
+            # entry: an entry near 0 of fc.weight's grad (max 7.7) differed by 1.8e-6 on AMX.
+            scale = p.grad.abs().max().item()
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
 def test_planner_caps_micro_batches_where_the_attention_mask_is_dense(make_run, smollm2_path):
