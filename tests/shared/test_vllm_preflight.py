@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared.draft import random_llama_draft
 from shared.errors import ContractMismatchError
-from shared.recipe import resolve_recipe
+from shared.recipe import Recipe, resolve_recipe
 from shared.vllm import preflight_eagle3, preflight_problems, speculative_config
 
 AUX = [2, 15, 27]
@@ -215,6 +216,21 @@ def test_draft_with_other_rope_than_the_target_refused(recipe, draft):
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
+def _kimi(tmp_path: Path, dtype: str) -> Recipe:
+    """A recipe for Kimi-K2.5's real config (MLA: kv_lora_rank 512 + rope 64)."""
+    target = tmp_path / "kimi"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text((FIXTURES / "kimi-k2.5" / "config.json").read_text())
+    return resolve_recipe(
+        {
+            "name": "kimi-dtype",
+            "target": {"path": str(target), "dtype": dtype},
+            "datasets": [{"path": "x.jsonl"}],
+            "layers": [2, 30, 58],
+        }
+    )
+
+
 def test_engine_pairing_passes_a_non_mla_target(recipe, draft):
     from shared.vllm import engine_pairing_problems
 
@@ -230,18 +246,36 @@ def test_engine_pairing_refuses_a_llama_draft_next_to_mla_on_this_cpu(tmp_path, 
     refuses, a docker-served recipe (another machine's vLLM) is not judged here."""
     from shared.vllm import engine_pairing_problems, preflight_launch
 
-    target = tmp_path / "kimi"
-    target.mkdir()
-    (target / "config.json").write_text((FIXTURES / "kimi-k2.5" / "config.json").read_text())
-    kimi = resolve_recipe(
-        {
-            "name": "kimi-pairing",
-            "target": {"path": str(target)},
-            "datasets": [{"path": "x.jsonl"}],
-            "layers": [2, 30, 58],
-        }
-    )
+    kimi = _kimi(tmp_path, "auto")
     (problem,) = engine_pairing_problems(kimi, draft)
     assert "CPU_MLA: [16]" in problem and "CPU_ATTN: [MultipleOf(32)]" in problem
     with pytest.raises(ContractMismatchError, match="no KV block size common"):
         preflight_launch(kimi, "eagle3", draft, local_engine=True)
+
+
+def test_auto_dtype_of_an_mla_target_is_one_its_cpu_backend_takes(tmp_path, recipe):
+    """vLLM 0.32 serves MLA on an AMX CPU with AMX_MLA (bf16 weights only: float32 failed at
+    weight loading in the Kimi rehearsal) and elsewhere with CPU_MLA (float16/bf16/float32)."""
+    from shared.vllm import dtype_problems, served_dtype, vllm_args
+
+    amx = torch.cpu._is_amx_tile_supported()
+    kimi = _kimi(tmp_path, "auto")
+    assert served_dtype(kimi) == ("bfloat16" if amx else "float32")
+    assert dtype_problems(kimi) == []
+    args = vllm_args(kimi, "baseline")
+    assert args[args.index("--dtype") + 1] == served_dtype(kimi)
+    # A dense target stays float32 on every CPU.
+    assert served_dtype(recipe) == "float32" and dtype_problems(recipe) == []
+
+
+def test_explicit_float32_mla_target_is_refused_where_the_backend_takes_bf16_only(tmp_path):
+    from shared.vllm import dtype_problems, preflight_launch
+
+    kimi = _kimi(tmp_path, "float32")
+    if not torch.cpu._is_amx_tile_supported():
+        assert dtype_problems(kimi) == []  # CPU_MLA takes float32
+        return
+    (problem,) = dtype_problems(kimi)
+    assert problem.startswith("target.dtype float32:") and "AMX_MLA" in problem
+    with pytest.raises(ContractMismatchError, match="AMX_MLA, which takes bfloat16 only"):
+        preflight_launch(kimi, "baseline", local_engine=True)
