@@ -524,7 +524,13 @@ def served_dtype(recipe: Recipe) -> str:
     dtype = runtime_dtype(recipe.target.dtype)
     if recipe.target.dtype != "auto" or dtype != "float32":
         return dtype
-    latent = _mla_latent(target_config(recipe))
+    try:
+        tcfg = target_config(recipe)
+    except ConfigError:
+        # No config here (a hub id served by another machine's container): nothing to ask;
+        # the server that loads the target reports a missing one itself.
+        return dtype
+    latent = _mla_latent(tcfg)
     backend = platform_attention_backend(latent, True) if latent else None
     if backend is None:
         return dtype
@@ -545,7 +551,10 @@ def dtype_problems(recipe: Recipe) -> list[str]:
         return []
     import torch
 
-    tcfg = target_config(recipe)
+    try:
+        tcfg = target_config(recipe)
+    except ConfigError:
+        return []
     latent = _mla_latent(tcfg)
     head = tcfg.get("head_dim") or 64
     backend = platform_attention_backend(latent or int(head), latent is not None)
