@@ -3,11 +3,17 @@
 A pytest plugin (registered in tests/conftest.py). Session-scoped, so a test session starts
 each server once (25–70 s each on 2 cores):
 - `vllm_baseline`: SmolLM2-135M-Instruct, enforce-eager, a free port on 127.0.0.1;
-- `vllm_eagle3(draft_dir)`: a factory starting (and caching per draft folder) an eagle3
-  server for SmolLM2 with that draft.
+- `vllm_eagle3(draft_dir)`: a factory starting an eagle3 server for SmolLM2 with that draft
+  (one per draft folder, only the latest one running).
 Each yields a `LiveServer` with `.url`, `.model`, `.metrics_url`, the `.recipe` it was
 started from (`.recipe_dict()` for a modifiable copy) and `kill()`/`restart()` for
 fault-injection tests. Everything is stopped at session end.
+
+Memory: an fp32 SmolLM2 server holds about 3.5 GB (worker, engine core, API process). A test
+that starts servers of its own takes `idle_servers_stopped` (or calls `stop_idle_servers`)
+first, which stops this worker's fixture servers; each starts again on its next use. A new
+eagle3 draft stops the previous draft's server. Without these, one xdist worker held five
+servers next to the other worker's quick demo and ran the 24 GiB machine out of memory.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ def fixture_recipe_dict(target: Path, port: int, eagle3_port: int) -> dict[str, 
 
 
 class LiveServer:
-    """A running server started by the conductor's process backend (log: root/<mode>.log)."""
+    """A running server started by the conductor's process backend (log: root/<mode>.log).
+
+    Started at creation; after `stop()` the next `url` or `model` starts it again.
+    """
 
     def __init__(self, recipe_dict: dict, mode: str, root: Path, draft: Path | None = None):
         from services.conductor.servers import ProcessBackend
@@ -52,19 +61,25 @@ class LiveServer:
         self.mode, self.root, self.draft = mode, root, draft
         self.backend = ProcessBackend(root / "state")
         self.handle = None
+        _SERVERS.append(self)
         self.start()
 
     def start(self) -> None:
         log = self.root / "logs" / f"{self.mode}.log"
         self.handle = self.backend.start(self.recipe, self.mode, log, self.draft)
 
+    def _running(self) -> Any:
+        if self.handle is None:
+            self.start()
+        return self.handle
+
     @property
     def url(self) -> str:
-        return self.handle.url
+        return self._running().url
 
     @property
     def model(self) -> str:
-        return self.handle.model
+        return self._running().model
 
     @property
     def metrics_url(self) -> str:
@@ -79,7 +94,7 @@ class LiveServer:
         """Hard-kill the server's whole process group (SIGKILL), as a crash would."""
         import psutil
 
-        pid = self.handle.pid  # the leader of its own session (start_new_session)
+        pid = self._running().pid  # the leader of its own session (start_new_session)
         group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pid]
         os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
@@ -96,6 +111,23 @@ class LiveServer:
     def stop(self) -> None:
         if self.handle is not None:
             self.backend.stop(self.handle)
+            self.handle = None
+
+
+#: Every LiveServer of this process (one pytest-xdist worker), for `idle_servers_stopped`.
+_SERVERS: list[LiveServer] = []
+
+
+def stop_idle_servers() -> None:
+    """Stop this worker's fixture servers; each starts again on its next use."""
+    for server in _SERVERS:
+        server.stop()
+
+
+@pytest.fixture
+def idle_servers_stopped() -> None:
+    """For a test that starts servers of its own: `stop_idle_servers` first."""
+    stop_idle_servers()
 
 
 def _pgid(pid: int) -> int | None:
@@ -123,6 +155,9 @@ def vllm_eagle3(tmp_path_factory, smollm2_path):
 
     def start(draft_dir: Path) -> LiveServer:
         key = Path(draft_dir).resolve()
+        for other, server in servers.items():
+            if other != key:
+                server.stop()
         if key not in servers:
             root = tmp_path_factory.mktemp("vllm-eagle3")
             servers[key] = LiveServer(

@@ -130,9 +130,12 @@ def test_random_draft_tau_is_one_and_flagged_via_cli(
 # Four server starts and eight shards: 245 s alone on an idle 2-core machine; in CI, next to
 # the other xdist worker and the background image build, it passed 900 s.
 @pytest.mark.timeout(1800)
-def test_measured_k_and_rounds_each_start_their_own_servers(zero_server, tmp_path, data_dir):
+def test_measured_k_and_rounds_each_start_their_own_servers(
+    zero_server, idle_servers_stopped, tmp_path, data_dir
+):
     """`eyrie bench --start` with `bench.measure_k` [1] and 2 rounds on the zero-lm_head pair,
-    where τ is exactly k + 1: each eagle3 shard's server drafts the k the shard claims."""
+    where τ is exactly k + 1: each eagle3 shard's server drafts the k the shard claims. The
+    zero pair's own server is stopped first (only its target and draft are used)."""
     import shutil
 
     from services.conductor.cli import main

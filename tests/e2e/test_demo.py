@@ -27,6 +27,7 @@ from shared.artifacts import RunStore
 from shared.draft import lint_draft_dir
 from shared.recipe import resolve_recipe
 from shared.stage import get_stage, pipeline
+from tests.vllm_fixtures import stop_idle_servers
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Free ports for the demo's two servers, so the test never collides with a running server.
@@ -68,6 +69,7 @@ def _demo(data: Path, redis_url: str, log: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, redis_server):
     data = tmp_path_factory.mktemp("demo-data")
+    stop_idle_servers()
     Redis.from_url(redis_server).flushdb()
     log = data / "demo.log"
     t0 = time.monotonic()

@@ -30,6 +30,7 @@ from scripts.benchdata import cpu_serve, run_stages
 from services.conductor.processes import free_port
 from shared.artifacts import RunStore
 from shared.recipe import Recipe, resolve_recipe
+from tests.vllm_fixtures import stop_idle_servers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -90,6 +91,7 @@ def rehearsal(kimi_target, tmp_path_factory) -> tuple[Recipe, RunStore]:
     from services.conductor.servers import serving
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    stop_idle_servers()
     recipe = kimi_recipe(kimi_target)
     store = RunStore.create(recipe, root=tmp_path_factory.mktemp("kimi") / "data")
     run_stages(store, ["plan", "prep", "dedup", "split"])
