@@ -14,9 +14,9 @@ regeneration is off here: it needs a vLLM server). The held-out split is cut in 
 
 Sides (one process tree, alternating chunk by chunk so load swings hit both; each side's
 clock runs only while it trains or validates, and each stops when its budget is spent):
-- "eyrie": `services.train.trainer.Trainer` as the train stage runs it (AdamW, or Muon with
-  `-o train.optimizer=muon`; warm-up + decay, packing, per-epoch validation with simulated τ
-  and checkpoint selection).
+- "eyrie": `services.train.trainer.Trainer` as the train stage runs it, with the demo's
+  optimizer (Muon at `--lr`; `-o train.optimizer=adamw` for AdamW), warm-up + decay, packing,
+  per-epoch validation with simulated τ and checkpoint selection.
 - "reference": `speculators.train.trainer.Trainer` as shipped, on the same draft
   architecture and init (`build_draft`), with the library's defaults for the rest: Muon
   (2-D weights) + AdamW, lr 1e-3, linear schedule, weight decay 0.01, 2,048-token packed
@@ -95,6 +95,7 @@ def bench_recipe(args: argparse.Namespace, overrides: list[str] | None = None) -
             "draft": {"draft_vocab_size": args.draft_vocab},
             "train": {
                 "epochs": args.epochs,
+                "optimizer": "muon",
                 "lr": args.lr,
                 "tokens_per_step": args.tokens_per_step,
                 "val_fraction": args.val_fraction,
@@ -212,7 +213,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=600, help="training seconds per side")
     ap.add_argument("--chunk-steps", type=int, default=4, help="steps per side per turn")
     ap.add_argument("--epochs", type=int, default=5, help="Eyrie epochs (and reference's)")
-    ap.add_argument("--lr", type=float, default=6e-4, help="Eyrie's lr (the demo's)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="Eyrie's lr (the demo's, Muon)")
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="Eyrie's step size")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--val-fraction", type=float, default=0.1)
