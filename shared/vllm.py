@@ -545,21 +545,18 @@ def dtype_problems(recipe: Recipe) -> list[str]:
     [] without vLLM, off a CPU, or when the backend vLLM picks lists the dtype in its
     `supported_dtypes`; else one line naming the backend and the dtypes it takes.
     """
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        return []
-    import torch
-
     try:
         tcfg = target_config(recipe)
     except ConfigError:
         return []
     latent = _mla_latent(tcfg)
-    head = tcfg.get("head_dim") or 64
-    backend = platform_attention_backend(latent or int(head), latent is not None)
+    backend = platform_attention_backend(latent or int(tcfg.get("head_dim") or 64), bool(latent))
+    if backend is None:  # no vLLM here, or not a CPU
+        return []
+    import torch
+
     dtype = served_dtype(recipe)
-    if backend is None or getattr(torch, dtype) in backend.supported_dtypes:
+    if getattr(torch, dtype) in backend.supported_dtypes:
         return []
     takes = ", ".join(str(d).removeprefix("torch.") for d in backend.supported_dtypes)
     return [
