@@ -26,7 +26,10 @@ clock runs only while it trains or validates, and each stops when its budget is 
     1. `speculators.train.trainer.get_local_rank` → "cpu" (it moves the model to a CUDA rank);
     2. `Trainer.device_type` → "cpu" (autocast device; it falls back to "cuda");
     3. `torch.accelerator.synchronize` → no-op when there is no accelerator (its step timer);
-    4. `speculators.train.checkpointer.get_current_device` → "cpu" (checkpoint loading).
+    4. `speculators.train.checkpointer.get_current_device` → "cpu" (checkpoint loading);
+    5. on a CPU without bf16 matmul kernels only (AVX2): torch's Muon Newton-Schulz in
+       float32 (`services.train.optim.newton_schulz_float32`, as Eyrie's side there), not
+       bf16, whose matmuls there made a reference step ~20 s slower.
   (speculators' CLI would also take `--draft-attn-impl sdpa --loss-implementation eager`;
   here the draft is built by `build_draft`, whose attention is sdpa, and the loss is eager.)
 
@@ -48,6 +51,7 @@ Usage: .venv/bin/python scripts/bench_quality.py [--samples 320] [--budget-s 600
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -244,6 +248,7 @@ def main() -> None:
 
     import torch
 
+    from services.train.optim import newton_schulz_float32, newton_schulz_fp32_needed
     from services.train.samples import SampleReader, index_samples
     from services.train.trainer import Trainer
     from shared.artifacts import RunStore
@@ -276,6 +281,9 @@ def main() -> None:
             ref_per_epoch = len(ref_data.plan(0))
         spent = {"eyrie": 0.0, "reference": 0.0}
         ref_pos = {"epoch": 0, "step": 0, "total": 0}
+        ref_newton_schulz = (
+            newton_schulz_float32 if newton_schulz_fp32_needed("cpu") else contextlib.nullcontext
+        )
 
         def eyrie_chunk(bar) -> bool:
             if eyrie.state.epoch >= args.epochs:
@@ -294,7 +302,8 @@ def main() -> None:
             start = ref_pos["step"]
             stop = min(start + args.chunk_steps, ref_per_epoch)
             ref_data.set_window(ref_pos["epoch"], start, stop)
-            ref.train_epoch(ref_pos["epoch"])
+            with ref_newton_schulz():  # patch 5
+                ref.train_epoch(ref_pos["epoch"])
             ref_pos["total"] += stop - start
             ref_pos["step"] = stop
             if stop >= ref_per_epoch:

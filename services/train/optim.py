@@ -11,12 +11,17 @@ the same lr shape (`services.train.schedule`), and step, zero, save and restore 
   weight decay 0.1, 5 Newton-Schulz steps, `match_rms_adamw` lr adjustment), and AdamW at
   `train.lr` over everything else (norms, biases, embeddings, lm_head; frozen ones excluded).
 
+On a CPU without bf16 matmul kernels (AVX2 only), Muon's Newton-Schulz iteration runs in
+float32 (`newton_schulz_float32`): torch casts it to bf16, which there cost ~30 s per demo step.
+
 Checkpoint layout: `{"optimizer": state, "scheduler": state}` with one optimizer (as before
 the Muon option), `{"optimizer": [states], "scheduler": [states]}` with two.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -59,18 +64,88 @@ def build_optimizers(draft: torch.nn.Module, cfg: TrainConfig) -> list[torch.opt
     return speculators_optimizers(draft, config)
 
 
+def newton_schulz_fp32_needed(device_type: str) -> bool:
+    """Whether Muon's Newton-Schulz iteration should run in float32 on `device_type`.
+
+    True on a CPU without bf16 matmul kernels (`shared.target.cpu_has_bf16_kernels`), where
+    torch's bf16 path is tens of times slower than fp32. CUDA and bf16-capable CPUs keep
+    torch's bf16 as shipped.
+    """
+    from shared.target import cpu_has_bf16_kernels
+
+    return device_type == "cpu" and not cpu_has_bf16_kernels()
+
+
+def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """Torch 2.13's Muon orthogonalization in float32 instead of bfloat16.
+
+    `torch.optim._muon._zeropower_via_newtonschulz`: Keller Jordan's quintic iteration, with
+    the same coefficients, normalization and orientation.
+
+    Args:
+        grad: a 2-D update `[A, B]`, any float dtype.
+        ns_coefficients: (a, b, c) of the quintic.
+        ns_steps: iterations.
+        eps: floor of the Frobenius norm the update is divided by.
+
+    Returns:
+        float32 `[A, B]`: the approximately orthogonalized update (singular values ~0.5-1.5).
+    """
+    import torch
+
+    if grad.ndim != 2:
+        raise ValueError("Input tensor gradient must be a 2D matrix")
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def newton_schulz_float32() -> Iterator[None]:
+    """Run `torch.optim.Muon` steps taken inside this block with a float32 Newton-Schulz.
+
+    torch's Muon casts each update to bf16 for its 5 Newton-Schulz iterations and offers no
+    option; on an AVX2 CPU a bf16 matmul runs ~45x slower than fp32, and the demo's Muon step
+    took ~31 s instead of ~1.5 s. The module function is swapped for the block and restored
+    after it (the trainer is single-threaded).
+    """
+    from torch.optim import _muon
+
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original
+
+
 class Optimizers:
     """Several optimizers stepped as one, each with its own `LambdaLR` on one lr shape.
 
     Attributes:
         optimizers: the optimizers, AdamW (at `train.lr`) last.
         schedulers: one `LambdaLR(optimizer, shape)` each.
+        fp32_newton_schulz: step Muon under `newton_schulz_float32`
+            (`newton_schulz_fp32_needed` of the trainer's device).
     """
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], shape: LrShape):
+    def __init__(
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        shape: LrShape,
+        fp32_newton_schulz: bool = False,
+    ):
         import torch
 
         self.optimizers = optimizers
+        self.fp32_newton_schulz = fp32_newton_schulz
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in optimizers]
 
     def lr(self) -> float:
@@ -79,8 +154,9 @@ class Optimizers:
 
     def step(self) -> None:
         """One optimizer step of each, then one scheduler step of each."""
-        for o in self.optimizers:
-            o.step()
+        with newton_schulz_float32() if self.fp32_newton_schulz else contextlib.nullcontext():
+            for o in self.optimizers:
+                o.step()
         for s in self.schedulers:
             s.step()
 

@@ -50,7 +50,7 @@ from services.train.memory import (
     step_memory,
 )
 from services.train.metrics import MetricsLog, plot, step_metrics
-from services.train.optim import Optimizers, build_optimizers
+from services.train.optim import Optimizers, build_optimizers, newton_schulz_fp32_needed
 from services.train.packing import (
     collate,
     count_truncated,
@@ -131,6 +131,7 @@ class Trainer:
         self.optim = Optimizers(
             build_optimizers(draft, self.cfg),
             lr_shape(self.total_steps, self.cfg.warmup_ratio, self.cfg.scheduler),
+            fp32_newton_schulz=newton_schulz_fp32_needed(self.rt.device_type),
         )
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
         self.state = ckpt.TrainState()
