@@ -13,7 +13,7 @@ Measured side by side in the same run:
   as an rq worker loads it once for all its jobs.
 
 `--levels 16:48,32:96` sets the levels as concurrency:conversations pairs (default 1:6,4:16,16:48);
-the demo's regen.concurrency is chosen by this, at the demo's --max-tokens 256.
+e.g. `--max-tokens 256 --levels 16:48,32:96` compares settings of the demo's regen.concurrency.
 
 Usage: .venv/bin/python scripts/bench_regen.py [--max-tokens 64] [--levels C:N,...]
        [--url URL --model NAME]
