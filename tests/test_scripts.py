@@ -80,7 +80,6 @@ def test_every_script_is_classified():
 def test_bench_regen_levels_parse_and_refuse():
     """`bench_regen.py --levels`: concurrency:conversations pairs; a malformed pair is a usage
     error (exit 2) naming it, before any server starts."""
-    sys.path.insert(0, str(ROOT))
     from scripts.bench_regen import parse_levels
 
     assert parse_levels("16:48,32:96") == [(16, 48), (32, 96)]
