@@ -12,7 +12,7 @@ from rq import Worker
 
 from services.conductor.processes import start_worker
 from shared.artifacts import RunStore
-from shared.queue import JobSpec, connect, enqueue, get_queue, job_id
+from shared.queue import JobSpec, connect, enqueue, failed_reason, get_queue, job_id
 from shared.recipe import resolve_recipe
 from shared.store import sha256_tree
 from tests.conftest import run_stage
@@ -39,7 +39,7 @@ def _recipe(smollm2_path):
     )
 
 
-def _start_workers(n: int, data: Path, redis_url: str) -> list[subprocess.Popen]:
+def _start_workers(n: int, data: Path, redis_url: str, logs: Path) -> list[subprocess.Popen]:
     env = {
         **os.environ,
         "EYRIE_DATA": str(data),
@@ -47,13 +47,30 @@ def _start_workers(n: int, data: Path, redis_url: str) -> list[subprocess.Popen]
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    return [start_worker(["prep"], f"prep-test-{i}", env) for i in range(n)]
+    logs.mkdir(parents=True, exist_ok=True)
+    return [
+        start_worker(["prep"], f"prep-test-{i}", env, log=(logs / f"prep-test-{i}.log").open("wb"))
+        for i in range(n)
+    ]
 
 
-def _wait_done(store: RunStore, stage: str, shards, timeout_s: float = 300) -> None:
+def _worker_logs(logs: Path, lines: int = 30) -> str:
+    return "\n".join(
+        f"--- {f.name} (last {lines} lines)\n" + "\n".join(f.read_text().splitlines()[-lines:])
+        for f in sorted(logs.glob("*.log"))
+    )
+
+
+def _wait_done(store: RunStore, stage: str, shards, conn, logs: Path, timeout_s: float = 300):
+    """Wait for the stage's shards; a failed job or the timeout fails with the workers' logs."""
     deadline = time.monotonic() + timeout_s
     while not all(store.is_done(stage, s) for s in shards):
-        assert time.monotonic() < deadline, f"{stage} did not finish in {timeout_s} s"
+        for s in shards:
+            why = failed_reason(conn, "prep", store.run_id, stage, s)
+            assert why is None, f"{stage}[{s}] failed: {why}\n{_worker_logs(logs)}"
+        assert time.monotonic() < deadline, (
+            f"{stage} did not finish in {timeout_s} s\n{_worker_logs(logs)}"
+        )
         time.sleep(0.2)
 
 
@@ -90,7 +107,8 @@ def test_two_rq_workers_match_one_process(tmp_path, redis_url, smollm2_path):
     data = tmp_path / "multi"
     multi = RunStore.create(recipe, root=data)
     conn = connect(redis_url)
-    procs = _start_workers(2, data, redis_url)
+    logs = tmp_path / "worker-logs"
+    procs = _start_workers(2, data, redis_url, logs)
     try:
         deadline = time.monotonic() + 120
         while len(Worker.all(connection=conn)) < 2:  # both listening before any job exists
@@ -100,7 +118,7 @@ def test_two_rq_workers_match_one_process(tmp_path, redis_url, smollm2_path):
             shards = range(n) if stage in ("prep", "tokenize") else [0]
             for s in shards:
                 enqueue(JobSpec("prep", multi.run_id, stage, s, 600, retries=0), conn)
-            _wait_done(multi, stage, shards)
+            _wait_done(multi, stage, shards, conn, logs)
     finally:
         for p in procs:
             p.terminate()
