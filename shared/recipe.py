@@ -315,6 +315,15 @@ class TrainConfig(Section):
     """The training loop (training-time test)."""
 
     epochs: int = Field(3, gt=0, description="Passes over the training split.")
+    time_budget_s: float | None = Field(
+        None,
+        gt=0,
+        description="Wall-clock seconds of optimizer steps (validation not counted). Once the "
+        "first steps have measured the pace, the run is cut to the steps that fit, and the lr "
+        "schedule (warm-up included) ends there, so the decay completes inside the budget "
+        "(budgeted training, Li et al., ICLR 2020); the last, partial epoch is validated like "
+        "any other. None = every step of train.epochs.",
+    )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     scheduler: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="LR decay after warm-up."

@@ -148,6 +148,15 @@ class Optimizers:
         self.fp32_newton_schulz = fp32_newton_schulz
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in optimizers]
 
+    def reshape(self, shape: LrShape) -> None:
+        """Give every scheduler a new lr shape, used from the next step on.
+
+        A time-budgeted run fixes its length after its first steps
+        (`services.train.schedule.budget_steps`).
+        """
+        for s in self.schedulers:
+            s.lr_lambdas = [shape] * len(s.lr_lambdas)
+
     def lr(self) -> float:
         """The current lr of the AdamW group (`train.lr` times the shape's factor)."""
         return float(self.schedulers[-1].get_last_lr()[0])

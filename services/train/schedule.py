@@ -46,3 +46,30 @@ class LrShape:
 def lr_shape(total_steps: int, warmup_ratio: float, kind: str) -> LrShape:
     """`LrShape` with `ceil(warmup_ratio * total_steps)` warm-up steps."""
     return LrShape(total_steps, math.ceil(warmup_ratio * total_steps), kind)  # type: ignore[arg-type]
+
+
+#: Steps timed before `train.time_budget_s` fixes the run's length; the first of them (one-time
+#: allocation and kernel set-up) is left out of the pace.
+BUDGET_CALIBRATION_STEPS = 4
+
+
+def budget_steps(done: int, spent_s: float, pace_s: float, budget_s: float, total: int) -> int:
+    """The step a time-budgeted run ends at: the steps left that fit the budget at the pace.
+
+    Args:
+        done: optimizer steps done.
+        spent_s: seconds of steps spent so far (`TrainState.step_seconds`).
+        pace_s: measured seconds per step (> 0).
+        budget_s: `train.time_budget_s`.
+        total: the steps of every epoch (the run never goes past them).
+
+    Returns:
+        `min(total, done + floor((budget_s - spent_s) / pace_s))`, at least `done`.
+
+    Raises:
+        ValueError: `pace_s` is not positive.
+    """
+    if pace_s <= 0:
+        raise ValueError(f"pace_s must be > 0 (got {pace_s})")
+    left = max(budget_s - spent_s, 0.0)
+    return min(total, done + math.floor(left / pace_s))

@@ -61,7 +61,7 @@ from services.train.packing import (
 )
 from services.train.runtime import Runtime, resolve_runtime, unwrap
 from services.train.samples import AlignedSample, SampleIndex, SampleReader, SampleRef
-from services.train.schedule import lr_shape
+from services.train.schedule import BUDGET_CALIBRATION_STEPS, budget_steps, lr_shape
 from shared.artifacts import RunStore
 from shared.progress import Progress
 from shared.recipe import Recipe
@@ -135,6 +135,7 @@ class Trainer:
         )
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
         self.state = ckpt.TrainState()
+        self._paces: list[float] = []  # this process's step times, for train.time_budget_s
         self._teacher_head: torch.Tensor | None = None
         self.memory = self._plan_memory()
         self.state.micro_tokens = self.memory["micro_tokens"]
@@ -169,6 +170,23 @@ class Trainer:
         return {"micro_tokens": micro, "estimate": est, "budget": budget}
 
     @property
+    def done(self) -> bool:
+        """Every epoch trained, or the step `train.time_budget_s` fixed reached."""
+        return self.state.epoch >= self.cfg.epochs or self.state.step >= self.end_step
+
+    @property
+    def epoch_over(self) -> bool:
+        """The current epoch's plan is done, or the run's end step is reached mid-epoch."""
+        plan = self.plans[self.state.epoch]
+        return self.state.step_in_epoch >= len(plan) or self.state.step >= self.end_step
+
+    @property
+    def end_step(self) -> int:
+        """The step the run ends at: every epoch's steps, or what `train.time_budget_s` fits."""
+        planned = self.state.planned_steps
+        return self.total_steps if planned is None else planned
+
+    @property
     def micro_tokens(self) -> int:
         return self.state.micro_tokens or self.cfg.tokens_per_step
 
@@ -187,6 +205,8 @@ class Trainer:
             self.state.micro_tokens = self.memory["micro_tokens"]
         load_trainable_state(self.draft, weights)
         self.optim.load_state_dict(ts)
+        if self.state.planned_steps is not None:
+            self.optim.reshape(self._shape(self.state.planned_steps))
         self._set_rng(ts["rng"])
         if self.rt.is_main:
             self.log.truncate_after(self.state.step)
@@ -224,9 +244,9 @@ class Trainer:
         resumed = self.resume()
         remaining = self.total_steps - self.state.step
         with Progress(max(remaining, 0), "steps", "train") as bar:
-            while self.state.epoch < self.cfg.epochs:
+            while not self.done:
                 self.train_epoch(bar)
-                self._end_epoch()
+                self.end_epoch()
         if self.rt.is_main:
             plot(self.log.read(), self.art.plot_path, self.cfg.ttt_steps)
         return TrainResult(self.state, self._counts(), resumed)
@@ -242,9 +262,12 @@ class Trainer:
         self.model.train()
         stop = len(plan) if max_steps is None else self.state.step_in_epoch + max_steps
         for idx in plan[self.state.step_in_epoch : stop]:
+            if self.state.step >= self.end_step:
+                break
             record = self.train_step([self.train_refs[i] for i in idx])
             self.state.step += 1
             self.state.step_in_epoch += 1
+            self._count_time(record["step_s"])
             record.update(step=self.state.step, epoch=self.state.epoch, kind="step")
             if self.rt.is_main:
                 self.log.write(record)
@@ -284,9 +307,49 @@ class Trainer:
             "lr": lr,
             "tokens": tokens,
             "tokens_per_s": tokens / dt,
+            "step_s": dt,
             "grad_norm": float(grad_norm),
             "micro_tokens": self.micro_tokens,
         }
+
+    def _shape(self, total_steps: int) -> Any:
+        return lr_shape(total_steps, self.cfg.warmup_ratio, self.cfg.scheduler)
+
+    def _count_time(self, seconds: float) -> None:
+        """Add a step's seconds to the run's; under `train.time_budget_s`, fix its end.
+
+        Once the first BUDGET_CALIBRATION_STEPS steps of this process have measured the pace
+        (rank 0's pace on every rank), the run ends at `budget_steps` and the lr schedule
+        with it.
+        """
+        self.state.step_seconds += seconds
+        self._paces.append(seconds)
+        budget = self.cfg.time_budget_s
+        if budget is None or self.state.planned_steps is not None:
+            return
+        if len(self._paces) < BUDGET_CALIBRATION_STEPS:
+            return
+        pace = sorted(self._paces[1:])[len(self._paces[1:]) // 2]  # median, first step left out
+        planned = budget_steps(
+            self.state.step, self.state.step_seconds, pace, budget, self.total_steps
+        )
+        if self.rt.world_size > 1:
+            import torch.distributed as dist
+
+            box = [planned]
+            dist.broadcast_object_list(box, src=0)
+            planned = box[0]
+        self.state.planned_steps = planned
+        self.optim.reshape(self._shape(planned))
+        log.info(
+            "train.time_budget_s %.0f: %.2f s per step, %.0f s spent: the run ends at step %d "
+            "of %d",
+            budget,
+            pace,
+            self.state.step_seconds,
+            planned,
+            self.total_steps,
+        )
 
     def back_off(self, error: BaseException) -> None:
         """After an out-of-memory error: drop the partial gradients and halve micro_tokens.
@@ -411,7 +474,11 @@ class Trainer:
         )
         return {**{f"val_{k}": v for k, v in sums.items()}, **sim}
 
-    def _end_epoch(self) -> None:
+    def end_epoch(self) -> None:
+        """Validate (simulated τ included), record, checkpoint and prune after an epoch.
+
+        Also after the partial last epoch of a time-budgeted run, named by the epoch it was in.
+        """
         val = self.validate()
         finished = self.state.epoch + 1
         record = {"kind": "epoch", "epoch": finished, "step": self.state.step, **val}

@@ -1,0 +1,78 @@
+"""`train.time_budget_s`: the run is cut to the steps that fit and its lr schedule ends there.
+
+The pace is made known: each step reports 1.0 s (`step_s`), so the expected end step and lr
+follow from the budget by hand, whatever this machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.train.conftest import train_recipe
+
+
+def test_budget_steps_known_values():
+    from services.train.schedule import budget_steps
+
+    # 90 s left at 3 s a step: 30 more steps after the 4 done.
+    assert budget_steps(done=4, spent_s=10, pace_s=3, budget_s=100, total=50) == 34
+    assert budget_steps(done=4, spent_s=10, pace_s=3, budget_s=100, total=20) == 20  # all epochs
+    assert budget_steps(done=4, spent_s=10, pace_s=3, budget_s=11.5, total=50) == 4  # 1.5 s left
+    assert budget_steps(done=4, spent_s=120, pace_s=3, budget_s=100, total=50) == 4  # overspent
+    with pytest.raises(ValueError, match="pace_s"):
+        budget_steps(done=4, spent_s=0, pace_s=0, budget_s=100, total=50)
+
+
+def _cosine(step: int, total: int, warmup: int) -> float:
+    """transformers' get_cosine_schedule_with_warmup, written out (the expected lr shape)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    return 0.5 * (1 + math.cos(math.pi * min((step - warmup) / (total - warmup), 1.0)))
+
+
+@pytest.mark.slow
+def test_a_budgeted_run_ends_where_the_budget_ends_with_its_lr_decayed(
+    make_run, smollm2_path, monkeypatch
+):
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def one_second_steps(self, refs):
+        return {**real_step(self, refs), "step_s": 1.0}
+
+    monkeypatch.setattr(Trainer, "train_step", one_second_steps)
+    recipe = train_recipe(smollm2_path, time_budget_s=12.5, step_checkpoint_every=0)
+    store = make_run(recipe)
+    trainer = Trainer(recipe, store, index_samples(store))
+    full = trainer.total_steps
+    assert full > 2 * 12  # the budget, not the epochs, ends this run
+    trainer.run()
+
+    # 4 steps timed (4 s), then 8.5 s left at 1 s a step: 8 more, 12 in all, mid-epoch 1.
+    assert trainer.state.planned_steps == 12 and trainer.state.step == 12
+    assert trainer.state.step_seconds == pytest.approx(12.0)
+    lines = store.train.metrics_path.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    # From step 6 on (the schedule in use after step 4's scheduler step, one step late), the
+    # lr follows a 12-step cosine with ceil(0.1 * 12) = 2 warm-up steps, ending near 0.
+    for r in steps[5:]:
+        assert r["lr"] == pytest.approx(1e-3 * _cosine(r["step"] - 1, 12, 2), rel=1e-9)
+    assert steps[-1]["lr"] < 0.03 * 1e-3
+    # The partial epoch is validated and checkpointed like a whole one.
+    (epoch,) = [r for r in records if r["kind"] == "epoch"]
+    assert epoch["epoch"] == 1 and epoch["step"] == 12 and epoch["tau"] >= 1.0
+    saved = json.loads((store.train.epoch_dir(1) / "state.json").read_text())
+    assert saved["step"] == 12 and saved["planned_steps"] == 12
+
+    # A resumed run is over already: no step is added.
+    again = Trainer(recipe, store, index_samples(store))
+    again.run()
+    assert again.state.step == 12
+    assert len(store.train.metrics_path.read_text().splitlines()) == len(lines)
