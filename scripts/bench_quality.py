@@ -16,7 +16,10 @@ Sides (one process tree, alternating chunk by chunk so load swings hit both; eac
 clock runs only while it trains or validates, and each stops when its budget is spent):
 - "eyrie": `services.train.trainer.Trainer` as the train stage runs it, with the demo's
   optimizer (Muon at `--lr`; `-o train.optimizer=adamw` for AdamW), warm-up + decay, packing,
-  per-epoch validation with simulated τ and checkpoint selection.
+  per-epoch validation with simulated τ and checkpoint selection. `-o train.time_budget_s=S`
+  makes its lr schedule end when S seconds of steps are spent (its validations count on this
+  clock too, about 30 s each for 15 samples on a 2-core AVX2 CPU: leave them room under
+  `--budget-s`), and validates the partial last epoch.
 - "reference": `speculators.train.trainer.Trainer` as shipped, on the same draft
   architecture and init (`build_draft`), with the library's defaults for the rest: Muon
   (2-D weights) + AdamW, lr 1e-3, linear schedule, weight decay 0.01, 2,048-token packed
@@ -46,6 +49,8 @@ it through its own config (`TrainerConfig.hidden_states_dtype`), not a patch.
 Usage: .venv/bin/python scripts/bench_quality.py [--samples 320] [--budget-s 600]
        [--chunk-steps 4] [--epochs 5] [--data DIR] [--no-reference] [--precision fp32]
        [-o key=value ...]
+e.g.   .venv/bin/python scripts/bench_quality.py --precision fp32 \
+       -o train.lr=1e-2 -o train.time_budget_s=530
 """
 
 from __future__ import annotations
@@ -286,12 +291,12 @@ def main() -> None:
         )
 
         def eyrie_chunk(bar) -> bool:
-            if eyrie.state.epoch >= args.epochs:
+            if eyrie.done:
                 return False
             t = time.perf_counter()
             eyrie.train_epoch(bar, max_steps=args.chunk_steps)
-            if eyrie.state.step_in_epoch >= len(eyrie.plans[eyrie.state.epoch]):
-                eyrie._end_epoch()  # validation, simulated τ, checkpoint selection
+            if eyrie.epoch_over:
+                eyrie.end_epoch()  # validation, simulated τ, checkpoint selection
             spent["eyrie"] += time.perf_counter() - t
             return True
 
