@@ -20,7 +20,8 @@ Model (bytes; b = 2 under bf16 autocast, else 4; n = micro-batch tokens, k = TTT
 - attention mask: CPU sdpa builds a dense bool mask `[n, k*n]`; flex attention (CUDA) a
   block mask of negligible size;
 - loss: per chunk of `c = min(n, loss_chunk_tokens)` positions, 5 fp32/fp64 `[c, Vd]`
-  tensors (draft logits, log-softmax, teacher logits, softmax, gradient).
+  tensors at most (draft and teacher logits, their softmaxes, the KL's product; the
+  gradient reuses the draft softmax).
 The coefficients are upper-side estimates (measured on the CPU path, see
 tests/train/test_memory.py); a 10% margin is kept on top.
 """

@@ -149,17 +149,19 @@ class Optimizers:
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in optimizers]
 
     def reshape(self, shape: LrShape) -> None:
-        """Give every scheduler a new lr shape, used from the next step on.
+        """Give every scheduler a new lr shape, the next step's lr included.
 
         A time-budgeted run fixes its length after its first steps
         (`services.train.schedule.budget_steps`).
         """
         for s in self.schedulers:
             s.lr_lambdas = [shape] * len(s.lr_lambdas)
+            for group, base in zip(s.optimizer.param_groups, s.base_lrs, strict=True):
+                group["lr"] = base * shape(s.last_epoch)
 
     def lr(self) -> float:
         """The current lr of the AdamW group (`train.lr` times the shape's factor)."""
-        return float(self.schedulers[-1].get_last_lr()[0])
+        return float(self.optimizers[-1].param_groups[0]["lr"])
 
     def step(self) -> None:
         """One optimizer step of each, then one scheduler step of each."""

@@ -171,14 +171,23 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        """Every epoch trained, or the step `train.time_budget_s` fixed reached."""
-        return self.state.epoch >= self.cfg.epochs or self.state.step >= self.end_step
+        """Every epoch trained, or the step `train.time_budget_s` fixed reached and validated.
+
+        A run resumed at its end step mid-epoch (its last validation was cut short) is not
+        done: `run` validates and checkpoints that partial epoch.
+        """
+        at_end = self.state.step >= self.end_step and self.state.step_in_epoch == 0
+        return self.state.epoch >= self.cfg.epochs or at_end
 
     @property
     def epoch_over(self) -> bool:
-        """The current epoch's plan is done, or the run's end step is reached mid-epoch."""
+        """The current epoch's plan is done, or the budgeted end step is reached mid-epoch."""
         plan = self.plans[self.state.epoch]
-        return self.state.step_in_epoch >= len(plan) or self.state.step >= self.end_step
+        return self.state.step_in_epoch >= len(plan) or self._budget_over()
+
+    def _budget_over(self) -> bool:
+        planned = self.state.planned_steps
+        return planned is not None and self.state.step >= planned
 
     @property
     def end_step(self) -> int:
@@ -262,7 +271,7 @@ class Trainer:
         self.model.train()
         stop = len(plan) if max_steps is None else self.state.step_in_epoch + max_steps
         for idx in plan[self.state.step_in_epoch : stop]:
-            if self.state.step >= self.end_step:
+            if self._budget_over():
                 break
             record = self.train_step([self.train_refs[i] for i in idx])
             self.state.step += 1
@@ -273,7 +282,8 @@ class Trainer:
                 self.log.write(record)
             bar.update(1, loss=round(record["loss"], 4), tok_s=round(record["tokens_per_s"]))
             every = self.cfg.step_checkpoint_every
-            if every and self.state.step % every == 0 and self.state.step_in_epoch < len(plan):
+            mid = self.state.step_in_epoch < len(plan) and not self._budget_over()
+            if every and self.state.step % every == 0 and mid:
                 self.save(self.art.step_dir)
 
     def train_step(self, refs: list[SampleRef]) -> dict[str, Any]:
@@ -334,10 +344,11 @@ class Trainer:
             self.state.step, self.state.step_seconds, pace, budget, self.total_steps
         )
         if self.rt.world_size > 1:
+            import torch
             import torch.distributed as dist
 
             box = [planned]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, device=torch.device(self.rt.device))
             planned = box[0]
         self.state.planned_steps = planned
         self.optim.reshape(self._shape(planned))

@@ -33,46 +33,64 @@ def _cosine(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min((step - warmup) / (total - warmup), 1.0)))
 
 
+class _Killed(Exception):
+    """Stands for a SIGKILL during the last validation."""
+
+
 @pytest.mark.slow
-def test_a_budgeted_run_ends_where_the_budget_ends_with_its_lr_decayed(
+def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     make_run, smollm2_path, monkeypatch
 ):
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    real_step = Trainer.train_step
+    # Step times: a slow first step (left out of the pace), then 1, 1, 2 (median 1), then 1 s.
+    times = iter([10.0, 1.0, 1.0, 2.0] + [1.0] * 100)
+    real_step, real_validate = Trainer.train_step, Trainer.validate
 
-    def one_second_steps(self, refs):
-        return {**real_step(self, refs), "step_s": 1.0}
+    def timed_step(self, refs):
+        return {**real_step(self, refs), "step_s": next(times)}
 
-    monkeypatch.setattr(Trainer, "train_step", one_second_steps)
-    recipe = train_recipe(smollm2_path, time_budget_s=12.5, step_checkpoint_every=0)
+    def validate_killed_once(self):
+        monkeypatch.setattr(Trainer, "validate", real_validate)
+        raise _Killed
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(Trainer, "validate", validate_killed_once)
+    recipe = train_recipe(smollm2_path, time_budget_s=22.5, step_checkpoint_every=4)
     store = make_run(recipe)
-    trainer = Trainer(recipe, store, index_samples(store))
-    full = trainer.total_steps
-    assert full > 2 * 12  # the budget, not the epochs, ends this run
-    trainer.run()
+    first = Trainer(recipe, store, index_samples(store))
+    assert first.total_steps > 2 * 12  # the budget, not the epochs, ends this run
+    with pytest.raises(_Killed):
+        first.run()
+    # 4 steps timed (14 s), then 8.5 s left at 1 s a step: 8 more, 12 in all, mid-epoch 1.
+    assert first.state.planned_steps == 12 and first.state.step == 12
+    assert first.state.step_seconds == pytest.approx(22.0)
+    lrs_first = [json.loads(x)["lr"] for x in store.train.metrics_path.read_text().splitlines()]
 
-    # 4 steps timed (4 s), then 8.5 s left at 1 s a step: 8 more, 12 in all, mid-epoch 1.
-    assert trainer.state.planned_steps == 12 and trainer.state.step == 12
-    assert trainer.state.step_seconds == pytest.approx(12.0)
-    lines = store.train.metrics_path.read_text().splitlines()
-    records = [json.loads(line) for line in lines]
+    # Killed during the last validation: the rolling checkpoint is step 8's (none is written
+    # at the end step), so the resumed run trains steps 9-12 again, then validates.
+    resumed = Trainer(recipe, store, index_samples(store))
+    resumed.run()
+    assert resumed.state.planned_steps == 12 and resumed.state.step == 12
+    records = [json.loads(x) for x in store.train.metrics_path.read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    # From step 6 on (the schedule in use after step 4's scheduler step, one step late), the
-    # lr follows a 12-step cosine with ceil(0.1 * 12) = 2 warm-up steps, ending near 0.
-    for r in steps[5:]:
+    assert [r["lr"] for r in steps] == pytest.approx(lrs_first, rel=1e-12)
+    # From step 5 on, the lr follows a 12-step cosine with ceil(0.1 * 12) = 2 warm-up steps,
+    # ending near 0.
+    for r in steps[4:]:
         assert r["lr"] == pytest.approx(1e-3 * _cosine(r["step"] - 1, 12, 2), rel=1e-9)
     assert steps[-1]["lr"] < 0.03 * 1e-3
     # The partial epoch is validated and checkpointed like a whole one.
     (epoch,) = [r for r in records if r["kind"] == "epoch"]
-    assert epoch["epoch"] == 1 and epoch["step"] == 12 and epoch["tau"] >= 1.0
+    assert epoch["epoch"] == 1 and epoch["step"] == 12 and epoch["tau"] > 1.0
     saved = json.loads((store.train.epoch_dir(1) / "state.json").read_text())
     assert saved["step"] == 12 and saved["planned_steps"] == 12
+    assert saved["step_seconds"] == pytest.approx(22.0)
 
-    # A resumed run is over already: no step is added.
+    # Resumed once more, the run is over: no step is added.
     again = Trainer(recipe, store, index_samples(store))
     again.run()
     assert again.state.step == 12
-    assert len(store.train.metrics_path.read_text().splitlines()) == len(lines)
+    assert len(store.train.metrics_path.read_text().splitlines()) == len(records)
