@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,7 @@ class Trainer:
         self.total_steps = sum(len(p) for p in self.plans)
         self.optim = Optimizers(
             build_optimizers(draft, self.cfg),
-            lr_shape(self.total_steps, self.cfg.warmup_ratio, self.cfg.scheduler),
+            self._shape(self.total_steps),
             fp32_newton_schulz=newton_schulz_fp32_needed(self.rt.device_type),
         )
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
@@ -339,7 +340,7 @@ class Trainer:
             return
         if len(self._paces) < BUDGET_CALIBRATION_STEPS:
             return
-        pace = sorted(self._paces[1:])[len(self._paces[1:]) // 2]  # median, first step left out
+        pace = statistics.median(self._paces[1:])  # the first step's set-up left out
         planned = budget_steps(
             self.state.step, self.state.step_seconds, pace, budget, self.total_steps
         )
