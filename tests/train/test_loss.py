@@ -156,8 +156,9 @@ def test_fp32_kl_matches_fp64_kl_div_from_flat_to_peaked_logits(scale):
     weight = torch.rand(n, generator=g)
     loss, pred, teach = chunked_kl(h, w, th, w, weight, chunk_tokens=40)
     want = (_kl64(h.double() @ w.double().T, th.double() @ w.double().T) * weight.double()).sum()
-    # fp32's own rounding: kl_div in fp32 (the code before this form) is off by as much.
-    assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-5)
+    # fp32's own rounding: at scale 0.01 (KL ~4e-6 a row) this form is 0.4 % off and kl_div in
+    # fp32 (the code before it) 0.2 %; a wrong or missing log-sum-exp term is off by orders.
+    assert float(loss) == pytest.approx(float(want), rel=1e-2, abs=1e-8)
     assert float(loss) >= 0
     assert torch.equal(pred, (h @ w.T).argmax(-1))
     assert torch.equal(teach, (th @ w.T).argmax(-1))
