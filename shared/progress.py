@@ -60,6 +60,13 @@ class Progress:
             except RedisError as e:  # progress is a courtesy: a Redis outage must not fail a shard
                 log.debug("progress of %s not saved: %s", self.bar.desc, e)
 
+    def set_total(self, total: int) -> None:
+        """Change the units expected (a time-budgeted train run fixes its end after it starts)."""
+        if total != self.total:
+            self.total = total
+            self.bar.total = total
+            self.bar.refresh()
+
     def close(self) -> None:
         self.bar.close()
 

@@ -266,12 +266,20 @@ def job_timeout_s(work: float, rate: float, recipe: Recipe) -> int:
     return int(max(MIN_JOB_TIMEOUT_S, work / rate * recipe.rates.timeout_factor))
 
 
+def train_estimate_s(recipe: Recipe, train_tokens: int) -> float:
+    """Seconds of optimizer steps the train stage is expected to run.
+
+    `train_tokens * epochs / rates.train_tokens_per_s`, or `train.time_budget_s` when that
+    is smaller (the trainer cuts its run to the steps that fit the budget).
+    """
+    seconds = train_tokens * recipe.train.epochs / recipe.rates.train_tokens_per_s
+    budget = recipe.train.time_budget_s
+    return seconds if budget is None else min(seconds, budget)
+
+
 def train_timeout_s(recipe: Recipe, train_tokens: int) -> int:
     """The rq timeout of the train job in seconds.
 
-    `train_tokens * epochs / rates.train_tokens_per_s`, times `rates.timeout_factor`, at
-    least an hour.
+    `train_estimate_s` times `rates.timeout_factor`, at least an hour.
     """
-    return job_timeout_s(
-        train_tokens * recipe.train.epochs, recipe.rates.train_tokens_per_s, recipe
-    )
+    return job_timeout_s(train_estimate_s(recipe, train_tokens), 1.0, recipe)

@@ -244,7 +244,7 @@ def make_plan(recipe: Recipe, recipe_path: str = "RECIPE") -> RunPlan:
             "train",
             ckpt_disk,
             train_gpu if _uses_gpu(recipe.train.device) else None,
-            train_tokens * recipe.train.epochs / rates.train_tokens_per_s,
+            sizing.train_estimate_s(recipe, train_tokens),
             f"{ckpts} checkpoints of {dp['trainable']} trainable params; "
             f"{recipe.train.tokens_per_step} tokens/step",
         ),

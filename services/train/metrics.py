@@ -7,8 +7,9 @@ Record kinds (one JSON object per line):
         sum_j decay**j * loss_<j>); acc_<j>: share of trainable positions whose draft argmax
         equals the teacher argmax at steps 0..j (the chance j+1 tokens are accepted);
         cond_acc_<j>: the same given steps 0..j-1 were right.
-    {"kind": "epoch", "epoch", "step", "val_loss", "val_loss_<j>", "val_acc_<j>",
+    {"kind": "epoch", "epoch", "step", "partial", "val_loss", "val_loss_<j>", "val_acc_<j>",
      "tau", "accept_rate_per_pos", ...}   (`services.train.acceptance.simulated_tau`)
+        partial: the epoch was cut short by `train.time_budget_s` (its plan not all trained).
 
 Invariants: a resumed run first truncates the file to the records at or before its
 checkpoint's step (`truncate_after`), so a killed run never leaves duplicated steps.

@@ -278,6 +278,7 @@ class Trainer:
             self.state.step += 1
             self.state.step_in_epoch += 1
             self._count_time(record["step_s"])
+            bar.set_total(bar.done + 1 + max(self.end_step - self.state.step, 0))
             record.update(step=self.state.step, epoch=self.state.epoch, kind="step")
             if self.rt.is_main:
                 self.log.write(record)
@@ -493,7 +494,9 @@ class Trainer:
         """
         val = self.validate()
         finished = self.state.epoch + 1
-        record = {"kind": "epoch", "epoch": finished, "step": self.state.step, **val}
+        partial = self.state.step_in_epoch < len(self.plans[self.state.epoch])
+        record = {"kind": "epoch", "epoch": finished, "step": self.state.step, "partial": partial}
+        record.update(val)
         self.state.validations.append(record)
         if val and (not self.state.best or _better(val, self.state.best)):
             self.state.best = {"epoch": finished, "tau": val["tau"], "val_loss": val["val_loss"]}

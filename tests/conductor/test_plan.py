@@ -370,6 +370,16 @@ def test_train_timeout_grows_with_tokens_and_epochs():
     assert sizing.train_timeout_s(recipe, 1000) == 3600  # at least an hour
 
 
+def test_train_estimate_and_timeout_stop_at_the_time_budget():
+    base = {"name": "t", "target": {"path": "/x"}, "datasets": [{"preset": "sharegpt"}]}
+    budget = resolve_recipe({**base, "train": {"epochs": 10, "time_budget_s": 7200}})
+    # 83M tokens x 10 epochs at 10,000 tokens/s would be 83,000 s; the budget cuts it to 7,200
+    assert sizing.train_estimate_s(budget, 83_000_000) == 7200
+    assert sizing.train_timeout_s(budget, 83_000_000) == 7200 * 3
+    # a budget larger than the epochs' work changes nothing
+    assert sizing.train_estimate_s(budget, 1_000_000) == 1e6 * 10 / 10_000
+
+
 def test_train_job_timeout_is_sized_from_the_runs_tokens(data_dir):
     from shared.artifacts import RunStore
     from shared.stage import get_stage

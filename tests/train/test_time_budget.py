@@ -57,6 +57,16 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
 
     monkeypatch.setattr(Trainer, "train_step", timed_step)
     monkeypatch.setattr(Trainer, "validate", validate_killed_once)
+    from shared.progress import Progress
+
+    totals: list[int] = []
+
+    class Recorded(Progress):
+        def close(self) -> None:
+            totals.append(self.total)
+            super().close()
+
+    monkeypatch.setattr("services.train.trainer.Progress", Recorded)
     recipe = train_recipe(smollm2_path, time_budget_s=22.5, step_checkpoint_every=4)
     store = make_run(recipe)
     first = Trainer(recipe, store, index_samples(store))
@@ -66,6 +76,7 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     # 4 steps timed (14 s), then 8.5 s left at 1 s a step: 8 more, 12 in all, mid-epoch 1.
     assert first.state.planned_steps == 12 and first.state.step == 12
     assert first.state.step_seconds == pytest.approx(22.0)
+    assert totals == [12]  # the progress bar's total follows the budget's end step
     lrs_first = [json.loads(x)["lr"] for x in store.train.metrics_path.read_text().splitlines()]
 
     # Killed during the last validation: the rolling checkpoint is step 8's (none is written
@@ -85,6 +96,8 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     # The partial epoch is validated and checkpointed like a whole one.
     (epoch,) = [r for r in records if r["kind"] == "epoch"]
     assert epoch["epoch"] == 1 and epoch["step"] == 12 and epoch["tau"] > 1.0
+    assert epoch["partial"] is True
+    assert totals == [12, 4]  # resumed at step 8: steps 9-12 left
     saved = json.loads((store.train.epoch_dir(1) / "state.json").read_text())
     assert saved["step"] == 12 and saved["planned_steps"] == 12
     assert saved["step_seconds"] == pytest.approx(22.0)

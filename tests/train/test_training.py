@@ -64,6 +64,7 @@ def test_checkpoints_hold_only_trainable_weights(reference_run):
 def test_epoch_validation_and_plot(reference_run):
     epochs = _records(reference_run, "epoch")
     assert [r["epoch"] for r in epochs] == [1, 2]
+    assert [r["partial"] for r in epochs] == [False, False]  # no time budget: whole epochs
     for r in epochs:
         assert r["k"] == 3 and r["anchors"] > 0
         assert 1.0 <= r["tau"] <= 4.0
