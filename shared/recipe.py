@@ -318,11 +318,12 @@ class TrainConfig(Section):
     time_budget_s: float | None = Field(
         None,
         gt=0,
-        description="Wall-clock seconds of optimizer steps (validation not counted). Once the "
-        "first steps have measured the pace, the run is cut to the steps that fit, and the lr "
-        "schedule (warm-up included) ends there, so the decay completes inside the budget "
-        "(budgeted training, Li et al., ICLR 2020); the last, partial epoch is validated like "
-        "any other. None = every step of train.epochs.",
+        description="Wall-clock seconds of the training loop: optimizer steps, the "
+        "validations between epochs and checkpoints (not the model load, nor the last "
+        "validation). After every step the run's end is re-planned as the steps that fit at "
+        "the pace so far, and the lr schedule (warm-up included) ends there, so the decay "
+        "completes inside the budget (budgeted training, Li et al., ICLR 2020); the last, "
+        "partial epoch is validated like any other. None = every step of train.epochs.",
     )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     scheduler: Literal["cosine", "linear", "constant"] = Field(

@@ -51,10 +51,10 @@ class TrainState:
         micro_tokens: tokens per forward/backward in use (None before the first step); the
             OOM back-off lowers it and a resumed run keeps the lowered value.
         oom_backoffs: `{"step", "from", "to"}` per out-of-memory halving.
-        step_seconds: wall-clock seconds spent in optimizer steps, all runs summed
-            (`train.time_budget_s` counts these).
-        planned_steps: the step the run ends at once `train.time_budget_s` has fixed it from
-            the measured pace (the lr schedule ends there too), or None: every epoch's steps.
+        loop_seconds: wall-clock seconds of the training loop, all runs summed: optimizer
+            steps, validations and checkpoints (`train.time_budget_s` counts these).
+        planned_steps: the step the run ends at as `train.time_budget_s` last planned it from
+            the pace so far (the lr schedule ends there too), or None: every epoch's steps.
     """
 
     step: int = 0
@@ -64,7 +64,7 @@ class TrainState:
     validations: list[dict[str, Any]] = field(default_factory=list)
     micro_tokens: int | None = None
     oom_backoffs: list[dict[str, int]] = field(default_factory=list)
-    step_seconds: float = 0.0
+    loop_seconds: float = 0.0
     planned_steps: int | None = None
 
 

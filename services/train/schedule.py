@@ -58,7 +58,7 @@ def budget_steps(done: int, spent_s: float, pace_s: float, budget_s: float, tota
 
     Args:
         done: optimizer steps done.
-        spent_s: seconds of steps spent so far (`TrainState.step_seconds`).
+        spent_s: seconds of the loop spent so far (`TrainState.loop_seconds`).
         pace_s: measured seconds per step (> 0).
         budget_s: `train.time_budget_s`.
         total: the steps of every epoch (the run never goes past them).

@@ -29,7 +29,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +70,10 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("eyrie.train")
+
+#: The clock of the loop's time outside optimizer steps (validation, checkpoints, logging),
+#: which `train.time_budget_s` counts with the steps' own `step_s`; tests substitute a fake.
+_clock = time.perf_counter
 
 
 @dataclass
@@ -136,7 +139,7 @@ class Trainer:
         )
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
         self.state = ckpt.TrainState()
-        self._paces: list[float] = []  # this process's step times, for train.time_budget_s
+        self._pending_s = 0.0  # loop seconds outside steps (validation), counted next step
         self._teacher_head: torch.Tensor | None = None
         self.memory = self._plan_memory()
         self.state.micro_tokens = self.memory["micro_tokens"]
@@ -278,6 +281,7 @@ class Trainer:
             self.state.step += 1
             self.state.step_in_epoch += 1
             self._count_time(record["step_s"])
+            t0 = _clock()
             bar.set_total(bar.done + 1 + max(self.end_step - self.state.step, 0))
             record.update(step=self.state.step, epoch=self.state.epoch, kind="step")
             if self.rt.is_main:
@@ -287,6 +291,7 @@ class Trainer:
             mid = self.state.step_in_epoch < len(plan) and not self._budget_over()
             if every and self.state.step % every == 0 and mid:
                 self.save(self.art.step_dir)
+            self.state.loop_seconds += _clock() - t0  # in the next checkpoint, not this one
 
     def train_step(self, refs: list[SampleRef]) -> dict[str, Any]:
         """One optimizer step on the packed samples `refs`. Returns its metrics record.
@@ -328,23 +333,21 @@ class Trainer:
         return lr_shape(total_steps, self.cfg.warmup_ratio, self.cfg.scheduler)
 
     def _count_time(self, seconds: float) -> None:
-        """Add a step's seconds to the run's; under `train.time_budget_s`, fix its end.
+        """Add a step's loop seconds to the run's; under `train.time_budget_s`, re-plan its end.
 
-        Once the first BUDGET_CALIBRATION_STEPS steps of this process have measured the pace
-        (rank 0's pace on every rank), the run ends at `budget_steps` and the lr schedule
-        with it.
+        From the BUDGET_CALIBRATION_STEPS-th step of the run on, after every step, the run's
+        end is the steps left that fit the budget at the run's pace so far
+        (`TrainState.loop_seconds / step`: validations and checkpoints amortized), and the lr
+        schedule ends there. The end is a function of the saved state only, so a resumed run
+        plans as the run it continues would have (rank 0's plan on every rank).
         """
-        self.state.step_seconds += seconds
-        self._paces.append(seconds)
+        self.state.loop_seconds += seconds
         budget = self.cfg.time_budget_s
-        if budget is None or self.state.planned_steps is not None:
+        step = self.state.step
+        if budget is None or step < BUDGET_CALIBRATION_STEPS:
             return
-        if len(self._paces) < BUDGET_CALIBRATION_STEPS:
-            return
-        pace = statistics.median(self._paces[1:])  # the first step's set-up left out
-        planned = budget_steps(
-            self.state.step, self.state.step_seconds, pace, budget, self.total_steps
-        )
+        pace = self.state.loop_seconds / step
+        planned = budget_steps(step, self.state.loop_seconds, pace, budget, self.total_steps)
         if self.rt.world_size > 1:
             import torch
             import torch.distributed as dist
@@ -352,17 +355,19 @@ class Trainer:
             box = [planned]
             dist.broadcast_object_list(box, src=0, device=torch.device(self.rt.device))
             planned = box[0]
+        if planned == self.state.planned_steps:
+            return
+        if self.state.planned_steps is None:
+            log.info(
+                "train.time_budget_s %.0f: %.2f s per step so far: the run ends at step %d "
+                "of %d (re-planned after every step)",
+                budget,
+                pace,
+                planned,
+                self.total_steps,
+            )
         self.state.planned_steps = planned
         self.optim.reshape(self._shape(planned))
-        log.info(
-            "train.time_budget_s %.0f: %.2f s per step, %.0f s spent: the run ends at step %d "
-            "of %d",
-            budget,
-            pace,
-            self.state.step_seconds,
-            planned,
-            self.total_steps,
-        )
 
     def back_off(self, error: BaseException) -> None:
         """After an out-of-memory error: drop the partial gradients and halve micro_tokens.
@@ -492,7 +497,9 @@ class Trainer:
 
         Also after the partial last epoch of a time-budgeted run, named by the epoch it was in.
         """
+        t0 = _clock()
         val = self.validate()
+        self.state.loop_seconds += _clock() - t0
         finished = self.state.epoch + 1
         partial = self.state.step_in_epoch < len(self.plans[self.state.epoch])
         record = {"kind": "epoch", "epoch": finished, "step": self.state.step, "partial": partial}

@@ -1,7 +1,8 @@
 """`train.time_budget_s`: the run is cut to the steps that fit and its lr schedule ends there.
 
-The pace is made known: each step reports 1.0 s (`step_s`), so the expected end step and lr
-follow from the budget by hand, whatever this machine's speed.
+The pace is made known: each step reports a set `step_s` and the loop's clock outside steps
+stands still, so the expected end step and lr follow from the budget by hand, whatever this
+machine's speed.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    # Step times: a slow first step (left out of the pace), then 1, 1, 2 (median 1), then 1 s.
+    # Step times: a slow first step, then 1, 1, 2, then 1 s; validation and checkpoints take 0.
     times = iter([10.0, 1.0, 1.0, 2.0] + [1.0] * 100)
+    monkeypatch.setattr("services.train.trainer._clock", lambda: 0.0)
     real_step, real_validate = Trainer.train_step, Trainer.validate
 
     def timed_step(self, refs):
@@ -70,40 +72,58 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     recipe = train_recipe(smollm2_path, time_budget_s=22.5, step_checkpoint_every=4)
     store = make_run(recipe)
     first = Trainer(recipe, store, index_samples(store))
-    assert first.total_steps > 2 * 12  # the budget, not the epochs, ends this run
+    assert first.total_steps > 2 * 11  # the budget, not the epochs, ends this run
+    planned: list[int | None] = []
+    real_count = Trainer._count_time
+
+    def count_and_record(self, seconds):
+        real_count(self, seconds)
+        planned.append(self.state.planned_steps)
+
+    monkeypatch.setattr(Trainer, "_count_time", count_and_record)
     with pytest.raises(_Killed):
         first.run()
-    # 4 steps timed (14 s), then 8.5 s left at 1 s a step: 8 more, 12 in all, mid-epoch 1.
-    assert first.state.planned_steps == 12 and first.state.step == 12
-    assert first.state.step_seconds == pytest.approx(22.0)
-    assert totals == [12]  # the progress bar's total follows the budget's end step
+    # Re-planned after every step from step 4 on: end = step + floor((22.5 - spent) / pace),
+    # pace = spent / step. Step 4: 14 s, pace 3.5, 8.5 s left: 4 + 2 = 6. Step 5: 15 s, 3.0,
+    # 7.5 s: 7. Step 6: 16 s, 2.67, 6.5 s: 8. Step 7: 17 s, 2.43, 5.5 s: 9. Step 8: 18 s,
+    # 2.25, 4.5 s: 10. Step 9: 19 s, 2.11, 3.5 s: 10. Step 10: 20 s, 2.0, 2.5 s: 11.
+    # Step 11: 21 s, 1.91, 1.5 s: 11, reached (mid-epoch 1).
+    assert planned == [None, None, None, 6, 7, 8, 9, 10, 10, 11, 11]
+    assert first.state.planned_steps == 11 and first.state.step == 11
+    assert first.state.loop_seconds == pytest.approx(21.0)
+    assert totals == [11]  # the progress bar's total follows the budget's end step
     lrs_first = [json.loads(x)["lr"] for x in store.train.metrics_path.read_text().splitlines()]
 
     # Killed during the last validation: the rolling checkpoint is step 8's (none is written
-    # at the end step), so the resumed run trains steps 9-12 again, then validates.
+    # at the end step), so the resumed run trains steps 9-11 again at the same step times,
+    # plans the same ends from the saved state, and validates.
+    times = iter([1.0] * 100)
+    planned.clear()
     resumed = Trainer(recipe, store, index_samples(store))
     resumed.run()
-    assert resumed.state.planned_steps == 12 and resumed.state.step == 12
+    assert planned == [10, 11, 11]
+    assert resumed.state.planned_steps == 11 and resumed.state.step == 11
     records = [json.loads(x) for x in store.train.metrics_path.read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
-    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert [r["step"] for r in steps] == list(range(1, 12))
     assert [r["lr"] for r in steps] == pytest.approx(lrs_first, rel=1e-12)
-    # From step 5 on, the lr follows a 12-step cosine with ceil(0.1 * 12) = 2 warm-up steps,
-    # ending near 0.
-    for r in steps[4:]:
-        assert r["lr"] == pytest.approx(1e-3 * _cosine(r["step"] - 1, 12, 2), rel=1e-9)
-    assert steps[-1]["lr"] < 0.03 * 1e-3
+    # Each step's lr follows the cosine of the end planned after the step before it, with
+    # ceil(0.1 * end) warm-up steps; the last step's lr is near 0.
+    for r, end in zip(steps[4:], [6, 7, 8, 9, 10, 10, 11], strict=True):
+        want = 1e-3 * _cosine(r["step"] - 1, end, math.ceil(0.1 * end))
+        assert r["lr"] == pytest.approx(want, rel=1e-9)
+    assert steps[-1]["lr"] < 0.05 * 1e-3  # 0.5 * (1 + cos(pi * 8 / 9)) = 0.030 of the peak
     # The partial epoch is validated and checkpointed like a whole one.
     (epoch,) = [r for r in records if r["kind"] == "epoch"]
-    assert epoch["epoch"] == 1 and epoch["step"] == 12 and epoch["tau"] > 1.0
+    assert epoch["epoch"] == 1 and epoch["step"] == 11 and epoch["tau"] > 1.0
     assert epoch["partial"] is True
-    assert totals == [12, 4]  # resumed at step 8: steps 9-12 left
+    assert totals == [11, 3]  # resumed at step 8: steps 9-11 left
     saved = json.loads((store.train.epoch_dir(1) / "state.json").read_text())
-    assert saved["step"] == 12 and saved["planned_steps"] == 12
-    assert saved["step_seconds"] == pytest.approx(22.0)
+    assert saved["step"] == 11 and saved["planned_steps"] == 11
+    assert saved["loop_seconds"] == pytest.approx(21.0)
 
     # Resumed once more, the run is over: no step is added.
     again = Trainer(recipe, store, index_samples(store))
     again.run()
-    assert again.state.step == 12
+    assert again.state.step == 11
     assert len(store.train.metrics_path.read_text().splitlines()) == len(records)
