@@ -17,9 +17,9 @@ clock runs only while it trains or validates, and each stops when its budget is 
 - "eyrie": `services.train.trainer.Trainer` as the train stage runs it, with the demo's
   optimizer (Muon at `--lr`; `-o train.optimizer=adamw` for AdamW), warm-up + decay, packing,
   per-epoch validation with simulated τ and checkpoint selection. `-o train.time_budget_s=S`
-  makes its lr schedule end when S seconds of steps are spent (its validations count on this
-  clock too, about 30 s each for 15 samples on a 2-core AVX2 CPU: leave them room under
-  `--budget-s`), and validates the partial last epoch.
+  makes its lr schedule end when S seconds of its loop (steps, validations) are spent, and
+  validates the partial last epoch; that last validation is not in S, so leave it room under
+  `--budget-s` (about 30 s for 15 samples on a 2-core AVX2 CPU, 10 s with AMX).
 - "reference": `speculators.train.trainer.Trainer` as shipped, on the same draft
   architecture and init (`build_draft`), with the library's defaults for the rest: Muon
   (2-D weights) + AdamW, lr 1e-3, linear schedule, weight decay 0.01, 2,048-token packed
@@ -50,7 +50,7 @@ Usage: .venv/bin/python scripts/bench_quality.py [--samples 320] [--budget-s 600
        [--chunk-steps 4] [--epochs 5] [--data DIR] [--no-reference] [--precision fp32]
        [-o key=value ...]
 e.g.   .venv/bin/python scripts/bench_quality.py --precision fp32 \
-       -o train.lr=1e-2 -o train.time_budget_s=530
+       -o train.lr=1e-2 -o train.time_budget_s=570
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def main() -> None:
     )
     print(
         f"eyrie:     tau {e['tau']:.3f}  ({eyrie.state.step} steps of <= "
-        f"{args.tokens_per_step} tokens, {spent['eyrie']:.0f}s, checkpoint "
+        f"{eyrie.cfg.tokens_per_step} tokens, {spent['eyrie']:.0f}s, checkpoint "
         f"{best.name if best else 'in memory'})"
     )
     print(f"eyrie on the select half: tau {s['tau']:.3f}")
