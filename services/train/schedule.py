@@ -48,8 +48,8 @@ def lr_shape(total_steps: int, warmup_ratio: float, kind: str) -> LrShape:
     return LrShape(total_steps, math.ceil(warmup_ratio * total_steps), kind)  # type: ignore[arg-type]
 
 
-#: Steps timed before `train.time_budget_s` fixes the run's length; the first of them (one-time
-#: allocation and kernel set-up) is left out of the pace.
+#: Steps before `train.time_budget_s` first plans the run's end: the pace of fewer steps is
+#: mostly the first step's one-time set-up (allocation, kernel selection).
 BUDGET_CALIBRATION_STEPS = 4
 
 

@@ -139,7 +139,6 @@ class Trainer:
         )
         self.noise = torch.Generator(device=self.rt.device).manual_seed(self.cfg.seed + 1)
         self.state = ckpt.TrainState()
-        self._pending_s = 0.0  # loop seconds outside steps (validation), counted next step
         self._teacher_head: torch.Tensor | None = None
         self.memory = self._plan_memory()
         self.state.micro_tokens = self.memory["micro_tokens"]
