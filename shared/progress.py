@@ -61,7 +61,7 @@ class Progress:
                 log.debug("progress of %s not saved: %s", self.bar.desc, e)
 
     def set_total(self, total: int) -> None:
-        """Change the units expected (a time-budgeted train run fixes its end after it starts)."""
+        """Change the units expected (a time-budgeted train run re-plans its end as it goes)."""
         if total != self.total:
             self.total = total
             self.bar.total = total

@@ -267,7 +267,7 @@ def job_timeout_s(work: float, rate: float, recipe: Recipe) -> int:
 
 
 def train_estimate_s(recipe: Recipe, train_tokens: int) -> float:
-    """Seconds of optimizer steps the train stage is expected to run.
+    """Seconds of the training loop the train stage is expected to run.
 
     `train_tokens * epochs / rates.train_tokens_per_s`, or `train.time_budget_s` when that
     is smaller (the trainer cuts its run to the steps that fit the budget).
