@@ -127,3 +127,39 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     again.run()
     assert again.state.step == 11
     assert len(store.train.metrics_path.read_text().splitlines()) == len(records)
+
+
+@pytest.mark.slow
+def test_the_budget_counts_the_loop_outside_steps(make_run, smollm2_path, monkeypatch):
+    import itertools
+
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer
+
+    # Each step reports 1 s; the loop's clock advances 0.5 s per reading, so the logging and
+    # checkpoint work after each step, and the last validation, each count 0.5 s.
+    real_step = Trainer.train_step
+    monkeypatch.setattr(
+        Trainer, "train_step", lambda self, refs: {**real_step(self, refs), "step_s": 1.0}
+    )
+    ticks = itertools.count(0.0, 0.5)
+    monkeypatch.setattr("services.train.trainer._clock", lambda: next(ticks))
+    planned: list[int | None] = []
+    real_count = Trainer._count_time
+
+    def count_and_record(self, seconds):
+        real_count(self, seconds)
+        planned.append(self.state.planned_steps)
+
+    monkeypatch.setattr(Trainer, "_count_time", count_and_record)
+    recipe = train_recipe(smollm2_path, time_budget_s=9.2, step_checkpoint_every=0)
+    store = make_run(recipe)
+    trainer = Trainer(recipe, store, index_samples(store))
+    trainer.run()
+    # Spent after step k's own second: k + 0.5 (k - 1). Step 4: 5.5 s, pace 1.375, 3.7 s left:
+    # 4 + 2 = 6. Step 5: 7.0 s, 1.4, 2.2 s: 6. Step 6: 8.5 s: 6, reached. Counting steps only
+    # (pace 1.0) would have planned 9.
+    assert planned == [None, None, None, 6, 6, 6]
+    assert trainer.state.step == 6
+    # 6 steps + 6 x 0.5 s after them + 0.5 s of the last validation
+    assert trainer.state.loop_seconds == pytest.approx(9.5)
