@@ -219,8 +219,8 @@ def _slow_causes(
         elif rk != k:
             causes.append(
                 {
-                    "cause": f"k={k} drafts positions that do not pay; k={rk} is "
-                    f"{plan.get('recommended_by', 'predicted')} "
+                    "cause": f"k={k} drafts positions that do not pay; k={rk} is recommended "
+                    f"({plan.get('recommended_by', 'predicted')}): "
                     f"{plan.get('recommended_speedup', plan['predicted_speedup']):.2f}x",
                     "evidence": cost,
                 }

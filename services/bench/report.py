@@ -13,11 +13,11 @@ the other k served (`bench.measure_k`) add their measured speedup and τ to the 
 report.json layout: `{"run_id", "target", "k", "measure_k", "rounds", "prompt_set",
 "num_prompts", "max_tokens", "rows": [Row], "tau": {"<T>": pooled τ}, "acceptance_rate":
 {"<T>": r}, "per_position_rate": {"<T>": [k floats]}, "checks": [Check], "offline": {"tau",
-"epoch"} | None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} | None, "vocab":
-{count: n} | None}` (Row: one cell, with `speedups`, the per-round ratios; regen: the regen
-manifests' counts summed; vocab: the vocab manifest's counts and coverage; both added by the
-report stage) (Check: `diagnosis.export_checks`; Plan: `kchoice.k_plan`, one per row with
-counters; Flag: `diagnosis.flags_for`).
+"epoch", "per_position"} | None, "k_plans": [Plan], "flags": [Flag], "regen": {count: n} |
+None, "vocab": {count: n} | None}` (Row: one cell, with `speedups`, the per-round ratios;
+regen: the regen manifests' counts summed; vocab: the vocab manifest's counts and coverage;
+both added by the report stage) (Check: `diagnosis.export_checks`; Plan: `kchoice.k_plan`,
+one per row with counters; Flag: `diagnosis.flags_for`).
 """
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ def build_report(
         shards: every `bench/shard-N.json`, each with its `mode`, `k` and `round`.
         meta: run facts copied into the report (run_id, target, k, prompt_set, ...).
         checks: `diagnosis.export_checks` results.
-        offline: `{"tau", "epoch"}` of the served checkpoint on the held-out split, or None.
+        offline: `{"tau", "epoch", "per_position"}` of the served checkpoint on the held-out
+            split (per_position: its per-position acceptance, which chooses the recommended
+            k; see `kchoice`), or None.
 
     Raises:
         ArtifactError: the recipe's k has no baseline and eagle3 sweeps, or they differ.
@@ -187,7 +189,8 @@ def build_report(
     for r in rows if k else []:
         cell = (r["temperature"], r["concurrency"])
         at_k = {o: m[cell] for o, m in measured.items() if cell in m}
-        plan = k_plan(r, k, max(k + 2, *at_k) if at_k else None, at_k)
+        heldout = (offline or {}).get("per_position")
+        plan = k_plan(r, k, max(k + 2, *at_k) if at_k else None, at_k, heldout)
         if plan:
             plans.append(plan)
     return {
@@ -325,7 +328,8 @@ def _k_lines(report: dict[str, Any]) -> list[str]:
         f"benchmarked k={report.get('k')}; measured at k = "
         f"{', '.join(str(k) for k in [report.get('k'), *(report.get('measure_k') or [])])}, "
         f"median of {report.get('rounds', 1)} round(s); * = extrapolated acceptance; "
-        "τ measured in brackets):",
+        "τ measured in brackets; held-out: predicted from the served checkpoint's acceptance "
+        "on the held-out split and the measured step costs, which chooses the recommended k):",
         "",
         "| T | conc | cost/draft token | "
         + " | ".join(f"k={k}" for k in ks)
@@ -335,6 +339,8 @@ def _k_lines(report: dict[str, Any]) -> list[str]:
 
     def cell(x: dict[str, Any]) -> str:
         out = f"{x['speedup']:.2f}x{'*' if x['extrapolated'] else ''}"
+        if x.get("heldout_speedup") is not None:
+            out += f", held-out {x['heldout_speedup']:.2f}x"
         if x.get("measured_speedup") is not None:
             out += f" / {x['measured_speedup']:.2f}x"
             if x.get("measured_tau") is not None:
@@ -344,7 +350,11 @@ def _k_lines(report: dict[str, Any]) -> list[str]:
     for p in plans:
         rk = p["recommended_k"] or "none pays"
         if p["recommended_k"]:
-            rk = f"{rk} ({p.get('recommended_by', 'predicted')})"
+            at = next(x for x in p["per_k"] if x["k"] == p["recommended_k"])
+            got = at.get("measured_speedup")
+            rk = f"{rk} ({p.get('recommended_by', 'predicted')}" + (
+                f"; measured {got:.2f}x)" if got is not None else ")"
+            )
         lines.append(
             f"| {p['temperature']:g} | {p['concurrency']} | {p['draft_token_cost']:.3f} | "
             + " | ".join(cell(x) for x in p["per_k"])

@@ -216,14 +216,28 @@ def export_checks(store: RunStore, recipe: Recipe) -> list[dict[str, Any]]:
 
 
 def offline_tau(store: RunStore) -> dict[str, Any] | None:
-    """`{"tau", "epoch"}` of the best validated epoch (the one export serves), or None."""
+    """The best validated epoch (the one export serves) on the held-out split, or None.
+
+    Returns:
+        `{"tau", "epoch", "per_position"}`: its simulated τ and per-position acceptance
+        (`accept_rate_per_pos` of that epoch's validation record; None in a run validated
+        before it was recorded).
+    """
     from shared.records import BestCheckpoint
 
     path = store.train.best_path
     if not path.is_file():
         return None
-    best = BestCheckpoint.model_validate_json(path.read_text()).best
-    return {"tau": best.get("tau"), "epoch": best.get("epoch")} if best else None
+    rec = BestCheckpoint.model_validate_json(path.read_text())
+    best = rec.best
+    if not best:
+        return None
+    val = next((v for v in rec.validations if v.get("epoch") == best.get("epoch")), {})
+    return {
+        "tau": best.get("tau"),
+        "epoch": best.get("epoch"),
+        "per_position": val.get("accept_rate_per_pos"),
+    }
 
 
 def regen_counts(store: RunStore) -> dict[str, int] | None:

@@ -282,6 +282,51 @@ def test_measured_k_sits_next_to_the_prediction_and_decides_the_recommendation()
     assert plan8["recommended_speedup"] == pytest.approx(1.4)
 
 
+def test_held_out_acceptance_chooses_k_and_the_benchmark_only_checks_it():
+    # The demo's case: on the eval prompts k=1 measured best (1.11x) but choosing k by that
+    # would tune k on the eval prompts. With held-out rates the choice uses them and the
+    # step costs only. k=3 served: tau 2.1 at 82.3 tok/s vs 90; k=1 served: tau 1.5 at
+    # 88.2 vs 90 (0.98x).
+    base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
+    b1, e1 = _shards((88.2, 560.0), (_ctr(10, 5, [5], k=1), _ctr(10, 6, [6], k=1)))
+    shards = [_tagged(base, 3, 0), _tagged(eag, 3, 0), _tagged(b1, 1, 0), _tagged(e1, 1, 0)]
+    offline = {"tau": 2.5, "epoch": 3, "per_position": [0.8, 0.5, 0.2]}
+    rep = build_report(shards, {**META, "measure_k": [1]}, [], offline)
+    plan = next(p for p in rep["k_plans"] if p["concurrency"] == 1)
+    by = {x["k"]: x for x in plan["per_k"]}
+    c = (2.1 / 82.3 * 90 - 1) / 3
+    # Step ratios S(k)/T: measured tau / speedup at k=1 and 3, 1 + k*c at k=2, 4, 5.
+    ratio = {1: 1.5 / (88.2 / 90), 2: 1 + 2 * c, 3: 2.1 / (82.3 / 90), 4: 1 + 4 * c}
+    assert {k: by[k]["step_ratio"] for k in ratio} == pytest.approx(ratio)
+    held = {1: 1.8, 2: 2.3, 3: 2.5, 4: 2.5 + 0.2 * 0.4}  # position 4: 0.2 * (0.2/0.5)
+    assert {k: by[k]["heldout_tau"] for k in held} == pytest.approx(held)
+    speedups = {k: held[k] / ratio[k] for k in held}  # 1.176, 1.234, 1.089, 0.946
+    assert {k: by[k]["heldout_speedup"] for k in held} == pytest.approx(speedups)
+    # k=2 wins on held-out acceptance although it was not served; k=1 measured 0.98x.
+    assert plan["recommended_k"] == 2 and plan["recommended_by"] == "held-out"
+    assert plan["recommended_speedup"] == pytest.approx(speedups[2])
+    # A served recommendation reports its measured speedup: at c=8 k=1 measured 560/400.
+    plan8 = next(p for p in rep["k_plans"] if p["concurrency"] == 8)
+    c8 = (2.1 / 480 * 400 - 1) / 3
+    s8 = {1: 1.8 / (1.6 / 1.4), 2: 2.3 / (1 + 2 * c8), 3: 2.5 / (2.1 / 1.2)}
+    assert max(s8, key=s8.get) == 1
+    assert plan8["recommended_k"] == 1 and plan8["recommended_speedup"] == pytest.approx(1.4)
+    md = to_markdown(rep)
+    assert "| 0 | 1 | 0.432 | 1.12x, held-out 1.18x / 0.98x (τ 1.50) | 1.02x, held-out 1.23x |" in (
+        md
+    )
+    assert "| 1 (held-out; measured 1.40x) |" in md
+
+
+def test_held_out_acceptance_below_every_step_cost_recommends_no_k():
+    base, eag = _shards((82.3, 480.0), (_ctr(10, 11, [6, 3, 2]), _ctr(10, 11, [6, 3, 2])))
+    offline = {"tau": 1.05, "epoch": 1, "per_position": [0.05, 0.0, 0.0]}
+    rep = build_report([base, eag], META, [], offline)
+    plan = next(p for p in rep["k_plans"] if p["concurrency"] == 1)
+    # k=1: 1.05 / (1 + c) with c = 0.288 is 0.82x; more k only adds cost.
+    assert plan["recommended_k"] == 0 and plan["recommended_by"] == "held-out"
+
+
 def test_a_report_without_the_recipes_k_is_refused():
     from shared.errors import ArtifactError
 
@@ -372,10 +417,12 @@ def test_report_stage_reads_the_offline_tau_of_the_best_epoch(tmp_path, smollm2_
     base, eag = _shards((60.0, 300.0), (_ctr(40, 0, [0, 0, 0]), _ctr(80, 2, [2, 0, 0])))
     store = _run_with_bench_shards(tmp_path, smollm2_path, base, eag)
     best = {"epoch": 2, "tau": 1.04, "val_loss": 3.0}
-    store.train.write_best(BestCheckpoint(best=best, validations=[best]))
+    first = {"epoch": 1, "tau": 1.01, "val_loss": 3.5, "accept_rate_per_pos": [0.01, 0, 0]}
+    second = {**best, "accept_rate_per_pos": [0.04, 0.0, 0.0]}
+    store.train.write_best(BestCheckpoint(best=best, validations=[first, second]))
     run_stage(store, "report")
     rep = store.report.read()
-    assert rep["offline"] == {"tau": 1.04, "epoch": 2}
+    assert rep["offline"] == {"tau": 1.04, "epoch": 2, "per_position": [0.04, 0.0, 0.0]}
     low = next(f for f in rep["flags"] if f["kind"] == "low_tau")
     assert low["open_causes"][0]["cause"].startswith("draft quality")
 
