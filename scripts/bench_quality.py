@@ -23,7 +23,8 @@ clock runs only while it trains or validates, and each stops when its budget is 
 - "reference": `speculators.train.trainer.Trainer` as shipped, on the same draft
   architecture and init (`build_draft`), with the library's defaults for the rest: Muon
   (2-D weights) + AdamW, lr 1e-3, linear schedule, weight decay 0.01, 2,048-token packed
-  rows, and speculators' `get_trainer_kwargs` (eager kl_div loss). Its loader yields the
+  rows, TTT 3 steps of equal weight (its `LossArgs` defaults, whatever Eyrie's recipe
+  says), and speculators' `get_trainer_kwargs` (eager kl_div loss). Its loader yields the
   same packed batches Eyrie builds (`services.train.packing`), plus `error_records`.
   Patches needed to run it on CPU, and nothing else:
     1. `speculators.train.trainer.get_local_rank` → "cpu" (it moves the model to a CUDA rank);
@@ -170,6 +171,7 @@ def reference_trainer(recipe, store, train_refs, save_dir: Path, epochs: int):
     """speculators' Trainer over `train_refs`, patched for CPU, with its defaults."""
     import torch
     from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.train.config.schema import LossArgs
     from speculators.train.trainer import Trainer as SpTrainer
     from speculators.train.trainer import TrainerConfig
 
@@ -185,11 +187,14 @@ def reference_trainer(recipe, store, train_refs, save_dir: Path, epochs: int):
         train_refs, SampleReader(store), REFERENCE_TOKENS_PER_STEP, recipe.train.seed, dtype
     )
     loader: Any = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)  # type: ignore[arg-type]
+    # The library's own TTT defaults, not Eyrie's recipe: `-o train.ttt_steps=...` changes
+    # Eyrie's side only.
+    shipped = LossArgs()
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
         loss_fn="kl_div",
         loss_implementation="eager",
-        ttt_steps=recipe.train.ttt_steps,
-        ttt_step_loss_decay=recipe.train.step_loss_decay,
+        ttt_steps=shipped.ttt_steps,
+        ttt_step_loss_decay=shipped.ttt_step_loss_decay,
     )
     cfg = TrainerConfig(
         lr=1e-3,
