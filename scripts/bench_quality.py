@@ -50,8 +50,8 @@ it through its own config (`TrainerConfig.hidden_states_dtype`), not a patch.
 Usage: .venv/bin/python scripts/bench_quality.py [--samples 320] [--budget-s 600]
        [--chunk-steps 4] [--epochs 5] [--data DIR] [--no-reference] [--precision fp32]
        [-o key=value ...]
-e.g.   .venv/bin/python scripts/bench_quality.py --precision fp32 \
-       -o train.lr=1e-2 -o train.time_budget_s=570
+e.g.   .venv/bin/python scripts/bench_quality.py \
+       -o train.lr=1e-2 -o train.time_budget_s=570 -o train.ttt_steps=2   (the demo's loop)
 """
 
 from __future__ import annotations
