@@ -186,10 +186,10 @@ def build_report(
     }
     pooled = pooled_acceptance(groups[k][1])
     plans = []
+    heldout = (offline or {}).get("per_position")
     for r in rows if k else []:
         cell = (r["temperature"], r["concurrency"])
         at_k = {o: m[cell] for o, m in measured.items() if cell in m}
-        heldout = (offline or {}).get("per_position")
         plan = k_plan(r, k, max(k + 2, *at_k) if at_k else None, at_k, heldout)
         if plan:
             plans.append(plan)
