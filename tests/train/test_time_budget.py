@@ -38,6 +38,21 @@ class _Killed(Exception):
     """Stands for a SIGKILL during the last validation."""
 
 
+def record_planned_ends(monkeypatch) -> list[int | None]:
+    """A list that receives `state.planned_steps` after each step's time is counted."""
+    from services.train.trainer import Trainer
+
+    planned: list[int | None] = []
+    real_count = Trainer._count_time
+
+    def count_and_record(self, seconds):
+        real_count(self, seconds)
+        planned.append(self.state.planned_steps)
+
+    monkeypatch.setattr(Trainer, "_count_time", count_and_record)
+    return planned
+
+
 @pytest.mark.slow
 def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     make_run, smollm2_path, monkeypatch
@@ -73,14 +88,7 @@ def test_a_budgeted_run_ends_where_the_budget_ends_and_resumes_to_the_same_end(
     store = make_run(recipe)
     first = Trainer(recipe, store, index_samples(store))
     assert first.total_steps > 2 * 11  # the budget, not the epochs, ends this run
-    planned: list[int | None] = []
-    real_count = Trainer._count_time
-
-    def count_and_record(self, seconds):
-        real_count(self, seconds)
-        planned.append(self.state.planned_steps)
-
-    monkeypatch.setattr(Trainer, "_count_time", count_and_record)
+    planned = record_planned_ends(monkeypatch)
     with pytest.raises(_Killed):
         first.run()
     # Re-planned after every step from step 4 on: end = step + floor((22.5 - spent) / pace),
@@ -144,14 +152,7 @@ def test_the_budget_counts_the_loop_outside_steps(make_run, smollm2_path, monkey
     )
     ticks = itertools.count(0.0, 0.5)
     monkeypatch.setattr("services.train.trainer._clock", lambda: next(ticks))
-    planned: list[int | None] = []
-    real_count = Trainer._count_time
-
-    def count_and_record(self, seconds):
-        real_count(self, seconds)
-        planned.append(self.state.planned_steps)
-
-    monkeypatch.setattr(Trainer, "_count_time", count_and_record)
+    planned = record_planned_ends(monkeypatch)
     recipe = train_recipe(smollm2_path, time_budget_s=9.2, step_checkpoint_every=0)
     store = make_run(recipe)
     trainer = Trainer(recipe, store, index_samples(store))
