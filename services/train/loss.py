@@ -14,6 +14,9 @@ positions it computes the draft logits `h @ W.T` and the teacher logits
 gradients with respect to `h` and `W` right away (d KL / d logits = softmax(logits) - p), then
 frees the chunk. Autograd keeps only `[T, H]` per step and one `[Vd, H]` weight gradient,
 instead of speculators' `[T, Vd]` fp32 log-softmax and softmax per step until backward.
+The teacher side (`Teacher`: softmax, negative entropy, argmax) is the same for every TTT
+step, shifted, so when a micro-batch's teacher positions fit in one chunk it is computed once
+and gathered by each step.
 
 Alignment (speculators `align_for_step`): step j's draft logits at positions `0..T-j-1` are
 scored against the teacher logits at `j..T-1`, with `loss_mask[j:]`; the chain accuracy
@@ -55,11 +58,73 @@ def _at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx[:, None]).squeeze(1)
 
 
+class Teacher:
+    """The teacher distribution over the draft vocab, read by position.
+
+    `p = softmax(th @ tw.T)` in fp32 (fp64 for fp64 inputs), with its negative entropy
+    `sum_v p_v log p_v` and argmax: everything the KL needs from the teacher. TTT step j
+    scores the teacher at positions `j..T-1`, so with `cached` positions the teacher is
+    computed once per micro-batch and gathered by every step (step 1 of TTT 2 then costs one
+    matmul and one softmax fewer); without them it is recomputed for each chunk read.
+
+    Args:
+        th: `[n, H]` normed teacher states (no gradient).
+        tw: `[Vd, H]` teacher lm_head rows of the draft vocab (no gradient).
+        matmul_dtype: dtype of the logits matmul (bf16 under autocast).
+        cached: int64 `[m]` positions to compute up front (every position `at` will be asked
+            for), or None. The cache is `[m, Vd]` fp32: callers bound m by the loss chunk.
+    """
+
+    def __init__(
+        self,
+        th: torch.Tensor,
+        tw: torch.Tensor,
+        matmul_dtype: torch.dtype,
+        cached: torch.Tensor | None = None,
+    ) -> None:
+        import torch
+
+        self.th, self.twm, self.matmul_dtype = th, tw.to(matmul_dtype), matmul_dtype
+        self.acc = torch.float64 if th.dtype == torch.float64 else torch.float32
+        self.slot: torch.Tensor | None = None
+        if cached is not None:
+            self.cache = self._compute(cached)
+            self.slot = torch.full((th.shape[0],), -1, dtype=torch.long, device=th.device)
+            self.slot[cached] = torch.arange(len(cached), device=th.device)
+
+    def _compute(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        import torch.nn.functional as F
+
+        t = (self.th[pos].to(self.matmul_dtype) @ self.twm.T).to(self.acc)  # shape: [c, Vd]
+        p = F.softmax(t, dim=-1)
+        arg = t.argmax(dim=-1)
+        # sum_v p_v log p_v = sum_v p_v t_v - lse(t), the lse read off the row's top entry
+        # (lse = t_max - log p_max; p_max >= 1/Vd, so no underflow): no elementwise log over
+        # [c, Vd], where kl_div's xlogy cost as much as both softmaxes.
+        lse = _at(t, arg) - _at(p, arg).log()
+        neg_entropy = t.mul_(p).sum(dim=-1) - lse  # t's buffer: t is not needed after this
+        return p, neg_entropy, arg
+
+    def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(p `[c, Vd]`, negative entropy `[c]`, argmax `[c]`) at positions `pos` (int64 `[c]`).
+
+        Raises:
+            IndexError: a position outside the cached ones.
+        """
+        if self.slot is None:
+            return self._compute(pos)
+        idx = self.slot[pos]
+        if bool((idx < 0).any()):
+            raise IndexError("teacher position outside the cached ones")
+        p, neg_entropy, arg = self.cache
+        return p[idx], neg_entropy[idx], arg[idx]
+
+
 def _kl_and_grad(
     h: torch.Tensor,
     w: torch.Tensor,
-    th: torch.Tensor,
-    tw: torch.Tensor,
+    teacher: Teacher,
+    pos: torch.Tensor,
     weight: torch.Tensor,
     chunk_tokens: int,
     want_h: bool,
@@ -70,12 +135,12 @@ def _kl_and_grad(
 
     Args:
         h: `[n, H]` normed draft states; w: `[Vd, H]` draft lm_head.
-        th: `[n, H]` normed teacher states; tw: `[Vd, H]` teacher lm_head rows of the draft
-            vocab.
+        teacher: the teacher distribution; `pos` int64 `[n]`: the teacher position scored
+            by each row of h.
         weight: `[n]` per-position weight (mask * decay**j / denominator).
         chunk_tokens: positions per chunk.
         want_h, want_w: compute the gradient with respect to `h` / `w`.
-        matmul_dtype: dtype of the two matmuls (bf16 under autocast); softmax and KL run in
+        matmul_dtype: dtype of the matmuls (bf16 under autocast); softmax and KL run in
             fp32 (fp64 when the inputs are fp64).
 
     Returns:
@@ -91,23 +156,18 @@ def _kl_and_grad(
     grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
     pred = torch.empty(n, dtype=torch.long, device=h.device)
     teach = torch.empty(n, dtype=torch.long, device=h.device)
-    wm, twm = w.to(matmul_dtype), tw.to(matmul_dtype)
+    wm = w.to(matmul_dtype)
     for s in range(0, n, chunk_tokens):
         e = min(s + chunk_tokens, n)
+        p, neg_entropy, teach[s:e] = teacher.at(pos[s:e])
         hc = h[s:e].to(matmul_dtype)
         z = (hc @ wm.T).to(acc)  # draft logits, shape: [c, Vd]
-        t = (th[s:e].to(matmul_dtype) @ twm.T).to(acc)  # teacher logits, shape: [c, Vd]
         q = F.softmax(z, dim=-1)
-        p = F.softmax(t, dim=-1)
         pred[s:e] = d_arg = z.argmax(dim=-1)
-        teach[s:e] = t_arg = t.argmax(dim=-1)
-        # KL(p || q) = sum_v p_v (t_v - z_v) - lse(t) + lse(z), with each log-sum-exp read off
-        # the row's top entry (lse = z_max - log q_max; q_max >= 1/Vd, so no underflow): no
-        # elementwise log over [c, Vd], where kl_div's xlogy cost as much as both softmaxes.
         lse_q = _at(z, d_arg) - _at(q, d_arg).log()
-        lse_p = _at(t, t_arg) - _at(p, t_arg).log()
-        kl = t.sub_(z).mul_(p).sum(dim=-1) - lse_p + lse_q  # shape: [c], in t's buffer
-        del z, t
+        # KL(p || q) = sum_v p_v log p_v - sum_v p_v z_v + lse(z)
+        kl = neg_entropy - z.mul_(p).sum(dim=-1) + lse_q  # shape: [c]
+        del z
         wc = weight[s:e].to(acc)
         loss += (kl * wc).sum()
         if want_h or want_w:
@@ -133,12 +193,12 @@ class _ChunkedKL:
 
             class ChunkedKL(torch.autograd.Function):
                 @staticmethod
-                def forward(ctx, h, w, th, tw, weight, chunk_tokens, matmul_dtype):  # type: ignore[override]
+                def forward(ctx, h, w, teacher, pos, weight, chunk_tokens, matmul_dtype):  # type: ignore[override]
                     loss, gh, gw, pred, teach = _kl_and_grad(
                         h,
                         w,
-                        th,
-                        tw,
+                        teacher,
+                        pos,
                         weight,
                         chunk_tokens,
                         ctx.needs_input_grad[0],
@@ -166,19 +226,19 @@ class _ChunkedKL:
 def chunked_kl(
     h: torch.Tensor,
     w: torch.Tensor,
-    th: torch.Tensor,
-    tw: torch.Tensor,
+    teacher: Teacher,
+    pos: torch.Tensor,
     weight: torch.Tensor,
     chunk_tokens: int,
     matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sum_t weight_t * KL(softmax(th_t @ tw.T) || softmax(h_t @ w.T))`, differentiable in h, w.
+    """`sum_i weight_i * KL(p_teacher[pos_i] || softmax(h_i @ w.T))`, differentiable in h, w.
 
     Args:
         h: `[n, H]` normed draft states (any float dtype).
         w: `[Vd, H]` draft lm_head weight.
-        th: `[n, H]` normed teacher states (no gradient).
-        tw: `[Vd, H]` teacher lm_head rows of the draft vocab (no gradient).
+        teacher: the teacher distribution over the draft vocab (`Teacher`).
+        pos: int64 `[n]`, the teacher position each row of h is scored against.
         weight: `[n]` per-position weight.
         chunk_tokens: positions per chunk (> 0): the fp32 `[chunk, Vd]` working set.
         matmul_dtype: dtype of the matmuls; default `h.dtype`.
@@ -194,10 +254,29 @@ def chunked_kl(
     if not (torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)):
         # Validation: no gradient is computed, nothing is kept.
         loss, _, _, pred, teach = _kl_and_grad(
-            h, w, th, tw, weight, chunk_tokens, False, False, dtype
+            h, w, teacher, pos, weight, chunk_tokens, False, False, dtype
         )
         return loss, pred, teach
-    return _ChunkedKL.get().apply(h, w, th, tw, weight, chunk_tokens, dtype)
+    return _ChunkedKL.get().apply(h, w, teacher, pos, weight, chunk_tokens, dtype)
+
+
+def teacher_positions(mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """Every teacher position some TTT step may score: int64 `[m]`, ascending.
+
+    Step j scores position p against the teacher at p+j when `mask[p+j]` or the chain at p
+    is alive, and a chain is alive only where `mask[p]` (`scored_rows`), so the teacher is
+    read at i only if `mask[i - j]` for some j < ttt_steps.
+
+    Args:
+        mask: bool `[n]`, the micro-batch's loss mask.
+        ttt_steps: the TTT depth.
+    """
+    import torch
+
+    need = mask.clone()
+    for j in range(1, min(ttt_steps, len(mask))):
+        need[j:] |= mask[:-j]
+    return torch.nonzero(need).squeeze(1)
 
 
 class _CaptureHead:
@@ -297,6 +376,11 @@ def ttt_loss(
         teacher_h = draft.verifier_norm(final.to(draft.verifier_norm.weight.dtype))
     w, tw = draft.lm_head.weight, draft.verifier_lm_head.weight
     n = mask.shape[1]
+    need = teacher_positions(mask[0], ttt_steps)
+    # One [m, Vd] cache within the loss chunk's working set; a longer micro-batch recomputes.
+    cached = need if ttt_steps > 1 and len(need) <= chunk_tokens else None
+    with torch.no_grad():
+        teacher = Teacher(teacher_h, tw, mm_dtype or cap.inputs[0].dtype, cached)
     prev_correct = mask[0].clone()
     loss: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
@@ -308,7 +392,7 @@ def ttt_loss(
         wdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
         weight = m[rows].to(wdtype) * (decay**j / denoms[j])
         s_loss, pred_r, teach_r = chunked_kl(
-            h[rows], w, teacher_h[j:][rows], tw, weight, chunk_tokens, mm_dtype or h.dtype
+            h[rows], w, teacher, rows + j, weight, chunk_tokens, mm_dtype or h.dtype
         )
         # Rows left out have `prev` False, so their (never equal) placeholders change no
         # metric.

@@ -19,9 +19,10 @@ Model (bytes; b = 2 under bf16 autocast, else 4; n = micro-batch tokens, k = TTT
   plus 3 fp32 RMSNorm inputs, and 4 MLP tensors of width I in b bytes;
 - attention mask: CPU sdpa builds a dense bool mask `[n, k*n]`; flex attention (CUDA) a
   block mask of negligible size;
-- loss: per chunk of `c = min(n, loss_chunk_tokens)` positions, 5 fp32/fp64 `[c, Vd]`
-  tensors at most (draft and teacher logits, their softmaxes, the KL's product; the
-  gradient reuses the draft softmax).
+- loss: per chunk of `c = min(n, loss_chunk_tokens)` positions, 6 fp32/fp64 `[c, Vd]`
+  tensors at most (the teacher softmax cached across TTT steps, its rows gathered for the
+  chunk, the draft logits and softmax, the bf16 gradient; the teacher's own logits while it
+  is computed).
 The coefficients are upper-side estimates (measured on the CPU path, see
 tests/train/test_memory.py); a 10% margin is kept on top.
 """
@@ -113,7 +114,7 @@ def step_memory(
         inputs=tokens * 4 * h * (2 + b),
         activations=tokens * ttt_steps * per_token_step,
         attention_mask=tokens * tokens * ttt_steps if dense_mask else 0,
-        loss=5 * 4 * chunk * shape.draft_vocab,
+        loss=6 * 4 * chunk * shape.draft_vocab,
     )
 
 

@@ -70,7 +70,7 @@ def _grads(model):
 def test_chunked_loss_and_gradients_equal_speculators_fp64(draft_and_batch):
     import torch
 
-    from services.train.loss import ttt_loss
+    from services.train.loss import teacher_positions, ttt_loss
 
     model, batch = draft_and_batch
     ref_model = copy.deepcopy(model)
@@ -84,7 +84,11 @@ def test_chunked_loss_and_gradients_equal_speculators_fp64(draft_and_batch):
     ref_grads = _grads(ref_model)
     assert ref_grads  # trainable weights got gradients
 
-    for chunk in (7, 64, 1000):  # 7 and 64 split every step's positions; 1000 does not
+    need = len(teacher_positions(batch["loss_mask"][0], TTT))
+    assert 64 < need < 1000
+    # 7 and 64 split every step's positions and recompute the teacher per chunk; 1000 does
+    # not, and computes the teacher once for all steps (`Teacher`'s cache).
+    for chunk in (7, 64, 1000):
         model.zero_grad(set_to_none=True)
         loss, metrics = ttt_loss(model, batch, TTT, DECAY, chunk_tokens=chunk)
         loss.backward()
@@ -146,7 +150,7 @@ def test_fp32_kl_matches_fp64_kl_div_from_flat_to_peaked_logits(scale):
     """
     import torch
 
-    from services.train.loss import chunked_kl
+    from services.train.loss import Teacher, chunked_kl
 
     g = torch.Generator().manual_seed(2)
     n, hid, vd = 96, 64, 512
@@ -154,7 +158,8 @@ def test_fp32_kl_matches_fp64_kl_div_from_flat_to_peaked_logits(scale):
     w = torch.randn(vd, hid, generator=g)
     th = h + 0.05 * scale * torch.randn(n, hid, generator=g)
     weight = torch.rand(n, generator=g)
-    loss, pred, teach = chunked_kl(h, w, th, w, weight, chunk_tokens=40)
+    pos = torch.arange(n)
+    loss, pred, teach = chunked_kl(h, w, Teacher(th, w, h.dtype), pos, weight, chunk_tokens=40)
     want = (_kl64(h.double() @ w.double().T, th.double() @ w.double().T) * weight.double()).sum()
     # fp32's own rounding: at scale 0.01 (KL ~4e-6 a row) this form is 0.4 % off and kl_div in
     # fp32 (the code before it) 0.2 %; a wrong or missing log-sum-exp term is off by orders.
@@ -162,3 +167,43 @@ def test_fp32_kl_matches_fp64_kl_div_from_flat_to_peaked_logits(scale):
     assert float(loss) >= 0
     assert torch.equal(pred, (h @ w.T).argmax(-1))
     assert torch.equal(teach, (th @ w.T).argmax(-1))
+
+
+def test_teacher_positions_cover_every_step_shift():
+    """Position i is needed when some j < ttt has mask[i - j]: worked by hand."""
+    import torch
+
+    from services.train.loss import teacher_positions
+
+    mask = torch.tensor([0, 1, 0, 0, 0, 1, 1, 0, 0, 0], dtype=torch.bool)
+    assert teacher_positions(mask, 1).tolist() == [1, 5, 6]
+    assert teacher_positions(mask, 2).tolist() == [1, 2, 5, 6, 7]
+    assert teacher_positions(mask, 3).tolist() == [1, 2, 3, 5, 6, 7, 8]
+    assert teacher_positions(torch.zeros(4, dtype=torch.bool), 3).tolist() == []
+
+
+def test_cached_teacher_reads_what_it_computes_and_refuses_other_positions():
+    """Gathered rows equal a fresh computation, and the entropy term is -H(p) in fp64."""
+    import torch
+
+    from services.train.loss import Teacher
+
+    g = torch.Generator().manual_seed(3)
+    th, tw = torch.randn(12, 16, generator=g, dtype=torch.float64), torch.randn(
+        40, 16, generator=g, dtype=torch.float64
+    )
+    cached = torch.tensor([2, 3, 7, 11])
+    teacher = Teacher(th, tw, torch.float64, cached)
+    for got, want in zip(
+        teacher.at(torch.tensor([7, 2, 7])),
+        Teacher(th, tw, torch.float64).at(torch.tensor([7, 2, 7])),
+        strict=True,
+    ):
+        # fp64 up to the matmul's blocking, which depends on the number of rows.
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    p, neg_entropy, arg = teacher.at(torch.tensor([11]))
+    logp = torch.log_softmax(th[11] @ tw.T, dim=-1)
+    assert float(neg_entropy[0]) == pytest.approx(float((logp.exp() * logp).sum()), rel=1e-12)
+    assert int(arg[0]) == int(logp.argmax())
+    with pytest.raises(IndexError):
+        teacher.at(torch.tensor([4]))

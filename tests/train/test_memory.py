@@ -167,7 +167,7 @@ def test_kimi_draft_step_memory_matches_the_known_run_and_needs_micro_batches():
     assert 17.7e9 / 2 < known < 17.7e9 * 2
     whole = memory.step_memory(shape, 131072, 3, 4096, 2, False)
     assert whole.total > 141e9
-    assert whole.loss == 5 * 4 * 4096 * vd  # 2.6 GB, whatever the step size
+    assert whole.loss == 6 * 4 * 4096 * vd  # 3.1 GB, whatever the step size
     micro = memory.fit_micro_tokens(shape, 131072, 3, 4096, 2, False, 120 * 2**30)
     assert 4096 <= micro < 131072
 
