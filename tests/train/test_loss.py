@@ -189,8 +189,9 @@ def test_cached_teacher_reads_what_it_computes_and_refuses_other_positions():
     from services.train.loss import Teacher
 
     g = torch.Generator().manual_seed(3)
-    th, tw = torch.randn(12, 16, generator=g, dtype=torch.float64), torch.randn(
-        40, 16, generator=g, dtype=torch.float64
+    th, tw = (
+        torch.randn(12, 16, generator=g, dtype=torch.float64),
+        torch.randn(40, 16, generator=g, dtype=torch.float64),
     )
     cached = torch.tensor([2, 3, 7, 11])
     teacher = Teacher(th, tw, torch.float64, cached)
