@@ -20,8 +20,10 @@ Two more modes run at the CPU demo's own settings (recipes/smollm2-135m-cpu.yaml
 tokens per step, precision auto, TTT 3, draft vocab 8192), on its data made by the same
 stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` tokens):
 - `--profile`: one packed step of real samples at each size T in `--lengths`: seconds of
-  forward and backward, the share of self time in attention (sdpa and the dense mask), and
-  the step as micro-batches of `--micro` tokens (the same gradient, services.train.memory).
+  forward and backward, the share of self time in attention (sdpa and the dense mask), the
+  forward + backward with the loss's teacher recomputed per TTT step against cached once
+  (`services.train.loss.Teacher`; `--pairs` alternating pairs, their time ratio), and the
+  step as micro-batches of `--micro` tokens (the same gradient, services.train.memory).
 - `--stage`: the whole train stage (`Trainer.run`: every epoch's steps, validation with
   simulated τ, checkpoints) under the demo's settings before (`--old` overrides, default
   `OLD`: one micro-batch per step; the loss also scores every row, `score_every_row`) and
@@ -203,6 +205,18 @@ def score_every_row() -> None:
     loss.scored_rows = every_row
 
 
+def per_step_teacher() -> Any:
+    """`services.train.loss.Teacher` without its cache: the teacher recomputed for every TTT
+    step, as the loss did before (the other side of `--profile`'s teacher column)."""
+    from services.train import loss
+
+    class PerStep(loss.Teacher):
+        def __init__(self, th: Any, tw: Any, matmul_dtype: Any, cached: Any = None) -> None:
+            super().__init__(th, tw, matmul_dtype, None)
+
+    return PerStep
+
+
 def stage_main(args: argparse.Namespace, root: Path) -> None:
     """`--stage`: the demo's train stage, old settings vs new, alternating (module docstring)."""
     store = demo_inputs(args, root)
@@ -294,6 +308,7 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
             f"T {n:5d} ({len(step):2d} samples): forward {fwd:5.2f} s, backward {bwd:5.2f} s, "
             f"{n / (fwd + bwd):6.0f} tok/s, attention+mask {attn / total:4.0%} of self time"
         )
+        line += f"; {teacher_ratio(trainer, batch, denoms, args.pairs)}"
         for micro in args.micro:
             if micro < n:
                 trainer.state.micro_tokens = micro
@@ -303,6 +318,31 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
                 line += f"; micro {micro}: {dt:5.2f} s, {n / dt:6.0f} tok/s"
         trainer.state.micro_tokens = None
         print(line, flush=True)
+
+
+def teacher_ratio(trainer: Any, batch: dict[str, Any], denoms: list[float], pairs: int) -> str:
+    """Forward + backward of `batch` with the teacher recomputed per TTT step (`per_step_teacher`)
+    and cached (as shipped), alternating `pairs` times; the ratio of the summed times."""
+    from services.train import loss
+
+    cached = loss.Teacher
+    variants = {"per step": per_step_teacher(), "cached": cached}
+    spent = dict.fromkeys(variants, 0.0)
+    try:
+        for i in range(pairs + 1):  # the first pair is a warm-up
+            for name, teacher in variants.items():
+                loss.Teacher = teacher
+                t0 = time.perf_counter()
+                trainer.forward(batch, denoms)[0].backward()
+                if i > 0:
+                    spent[name] += time.perf_counter() - t0
+                trainer.optim.zero_grad(set_to_none=True)
+    finally:
+        loss.Teacher = cached
+    return (
+        f"teacher per step / cached: {spent['per step'] / pairs:5.2f} / "
+        f"{spent['cached'] / pairs:5.2f} s = {spent['per step'] / spent['cached']:.2f}x"
+    )
 
 
 def minimal_step_s(model, opt, batch, cfg, loss_config) -> float:

@@ -365,7 +365,9 @@ class TrainConfig(Section):
         4096,
         gt=0,
         description="Positions per chunk of the loss over the draft vocab (the fp32 "
-        "[chunk, draft_vocab] working set; the logits of all positions never exist at once).",
+        "[chunk, draft_vocab] working set; the logits of all positions never exist at once). "
+        "A micro-batch whose teacher positions fit in one chunk computes the teacher's "
+        "softmax once and shares it across the TTT steps.",
     )
     micro_tokens: int | None = Field(
         None,
