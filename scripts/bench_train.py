@@ -194,7 +194,9 @@ def stage_run(recipe: Any, store: Any, train_samples: int | None) -> dict[str, A
 
 def score_every_row() -> None:
     """Make the loss compute logits at every position, as it did before
-    `services.train.loss.scored_rows` (the old side of `--stage`, or `--all-rows`)."""
+    `services.train.loss.scored_rows` (the old side of `--stage`, or `--all-rows`), with the
+    teacher recomputed per TTT step as then (`per_step_teacher`): the cached teacher holds
+    only the positions `scored_rows` can reach."""
     import torch
 
     from services.train import loss
@@ -203,6 +205,7 @@ def score_every_row() -> None:
         return torch.arange(len(mask), device=mask.device)
 
     loss.scored_rows = every_row
+    loss.Teacher = per_step_teacher()  # type: ignore[misc]
 
 
 def per_step_teacher() -> Any:
@@ -226,12 +229,12 @@ def stage_main(args: argparse.Namespace, root: Path) -> None:
     runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
     from services.train import loss
 
-    rows = {"new": loss.scored_rows}
+    rows = {"new": (loss.scored_rows, loss.Teacher)}
     score_every_row()
-    rows["old"] = loss.scored_rows
+    rows["old"] = (loss.scored_rows, loss.Teacher)
     for p in range(args.pairs):
         for name, recipe in variants.items():
-            loss.scored_rows = rows[name]
+            loss.scored_rows, loss.Teacher = rows[name]  # type: ignore[misc]
             r = stage_run(recipe, store, args.train_samples)
             runs[name].append(r)
             print(
