@@ -82,7 +82,8 @@ def plot(records: list[dict[str, Any]], out: Path, ttt_steps: int) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r for r in records if r["kind"] == "step"]
-    epochs = [r for r in records if r["kind"] == "epoch"]
+    # An epoch without held-out samples has no validation record, hence no tau.
+    epochs = [r for r in records if r["kind"] == "epoch" and "tau" in r]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     xs = [r["step"] for r in steps]
     for j in range(ttt_steps):

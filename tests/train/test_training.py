@@ -128,3 +128,16 @@ def test_sigkill_then_resume_matches_uninterrupted(reference_run, make_run, smol
     for name in a:
         assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
     assert json.loads((art.epoch_dir(2) / "state.json").read_text())["step"] == len(ref_steps)
+
+
+def test_plot_draws_a_run_whose_epochs_had_no_held_out_samples(tmp_path):
+    """An epoch record without validation (no held-out samples) carries no tau: the plot
+    skips it instead of failing the run at its end."""
+    from services.train.metrics import plot
+
+    steps = [
+        {"kind": "step", "step": s, "loss_0": 2.0 / s, "acc_0": 0.1 * s, "epoch": 0} for s in (1, 2)
+    ]
+    epochs = [{"kind": "epoch", "epoch": 1, "step": 2, "partial": False}]
+    out = plot(steps + epochs, tmp_path / "curves.png", ttt_steps=1)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
