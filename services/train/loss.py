@@ -376,9 +376,11 @@ def ttt_loss(
         teacher_h = draft.verifier_norm(final.to(draft.verifier_norm.weight.dtype))
     w, tw = draft.lm_head.weight, draft.verifier_lm_head.weight
     n = mask.shape[1]
-    need = teacher_positions(mask[0], ttt_steps)
-    # One [m, Vd] cache within the loss chunk's working set; a longer micro-batch recomputes.
-    cached = need if ttt_steps > 1 and len(need) <= chunk_tokens else None
+    # One [m, Vd] cache within the loss chunk's working set, shared by the TTT steps (at
+    # TTT 1 there is nothing to share); a longer micro-batch recomputes per chunk.
+    cached = teacher_positions(mask[0], ttt_steps) if ttt_steps > 1 else None
+    if cached is not None and len(cached) > chunk_tokens:
+        cached = None
     with torch.no_grad():
         teacher = Teacher(teacher_h, tw, mm_dtype or cap.inputs[0].dtype, cached)
     prev_correct = mask[0].clone()
