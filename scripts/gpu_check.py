@@ -173,7 +173,9 @@ def main() -> int:
             t0 = time.monotonic()
             for shard in stage.shard_numbers(store):
                 m = execute(stage, store, shard)
-                state.setdefault(name, {}).update(m.counts)
+                totals = state.setdefault(name, {})
+                for key, value in m.counts.items():
+                    totals[key] = totals.get(key, 0) + value
             timings[name] = round(time.monotonic() - t0, 1)
         state["timings"] = timings
         state["store"] = store
@@ -198,7 +200,8 @@ def main() -> int:
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
             f"train {sum(tps) / max(len(tps), 1):.0f} tok/s; simulated tau per epoch {taus}; "
             f"exports {sorted(lint)}; "
-            f"extract counts {state.get('extract')}"
+            f"extract {state['extract']['tokens'] / state['timings']['extract']:.0f} tok/s, "
+            f"counts over all shards {state['extract']}"
         )
 
     print("\n[gpu-check] summary")
