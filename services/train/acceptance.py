@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.train.draft_model import length_multiple
 from services.train.packing import collate
 from services.train.samples import AlignedSample
 from shared.errors import ArtifactError
@@ -67,6 +68,7 @@ def simulated_tau(
     k: int,
     lm_head: torch.Tensor | None = None,
     autocast_dtype: str | None = None,
+    pad_to: int | None = None,
 ) -> dict[str, Any]:
     """Simulated mean acceptance length of a greedy chain of `k` draft tokens.
 
@@ -76,6 +78,9 @@ def simulated_tau(
         k: draft tokens per step (vLLM's `num_speculative_tokens`).
         lm_head: the target's full lm_head `[target_vocab, H]`; default `teacher_head(model)`.
         autocast_dtype: 'bf16' to run under bf16 autocast, None for fp32.
+        pad_to: each sample's length multiple (`collate`'s `multiple`); default the draft's
+            attention block (`length_multiple`). The trainer passes its batch length, so
+            held-out samples reuse the training step's compiled shape.
 
     Returns:
         `{"tau": float, "k": int, "anchors": int, "accepted": int,
@@ -87,6 +92,7 @@ def simulated_tau(
     import torch
 
     device = next(model.parameters()).device
+    multiple = pad_to or length_multiple(model)
     head = (lm_head if lm_head is not None else teacher_head(model)).to(device)
     counts = torch.zeros(k, dtype=torch.long)
     anchors = in_vocab = 0
@@ -98,7 +104,7 @@ def simulated_tau(
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_dtype == "bf16"),
         ):
             for sample in samples:
-                chain, teacher_ok = _chain(model, head, sample, k, device)
+                chain, teacher_ok = _chain(model, head, sample, k, device, multiple)
                 counts += chain.sum(dim=0).cpu()
                 anchors += chain.shape[0]
                 in_vocab += int(teacher_ok)
@@ -117,9 +123,16 @@ def simulated_tau(
 
 
 def _chain(
-    model: Any, head: torch.Tensor, sample: AlignedSample, k: int, device: torch.device
+    model: Any,
+    head: torch.Tensor,
+    sample: AlignedSample,
+    k: int,
+    device: torch.device,
+    multiple: int,
 ) -> tuple[torch.Tensor, int]:
     """Per anchor, which of the k steps lie in its accepted prefix.
+
+    The sample is padded to a length multiple of `multiple` (masked, so no anchor).
 
     Returns:
         (bool `[anchors, k]`, number of anchors whose teacher argmax is in the draft vocab).
@@ -130,7 +143,7 @@ def _chain(
     dtype = next(model.parameters()).dtype
     batch = {
         key: v.to(device, dtype) if v.is_floating_point() else v.to(device)
-        for key, v in collate([sample], len(sample.input_ids)).items()
+        for key, v in collate([sample], len(sample.input_ids), multiple).items()
     }
     ids = batch["input_ids"][0]  # shape: [n], x_{t+1}
     n = ids.shape[0]

@@ -79,9 +79,31 @@ def draft_layer_config(recipe: Recipe, tcfg: dict[str, Any]) -> Any:
     )
 
 
+#: Flex attention's block size in positions (torch.nn.attention.flex_attention's
+#: `_DEFAULT_SPARSE_BLOCK_SIZE`). speculators' Eagle3 draft builds one BlockMask for the packed
+#: length and extends it by whole blocks per TTT step (`extend_mask_for_draft_tokens`); torch
+#: (2.11 on an H200, 2.13 here) refuses a mask whose blocks overrun the batch, so a packed
+#: batch under flex attention must be a whole number of blocks (speculators pads every batch
+#: to its `max_len`).
+FLEX_BLOCK_SIZE = 128
+
+
 def attention_impl(device: str) -> str:
     """`sdpa` on CPU (flex attention has no CPU backward in torch 2.13), flex on CUDA."""
     return "simple_flex_attention" if device.startswith("cuda") else "sdpa"
+
+
+def length_multiple(model: Any) -> int:
+    """What a packed batch's length is padded to a multiple of, for this draft's attention.
+
+    FLEX_BLOCK_SIZE under flex attention, else 1 (`services.train.packing.collate`'s
+    `multiple`).
+
+    Args:
+        model: a speculators `Eagle3DraftModel` (not a DDP wrapper).
+    """
+    impl = model.config.transformer_layer_config._attn_implementation
+    return FLEX_BLOCK_SIZE if impl == "simple_flex_attention" else 1
 
 
 def build_draft(

@@ -291,6 +291,9 @@ class _CaptureHead:
         capture = self
 
         class Capture(torch.nn.Module):
+            # speculators compiles the draft's forward on CUDA; traced, this append would
+            # guard on the list's length and recompile at every TTT step.
+            @torch.compiler.disable
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 capture.inputs.append(x)
                 return x.new_zeros(*x.shape[:-1], 1)

@@ -11,7 +11,9 @@ Invariants:
   a checkpoint;
 - every sample appears exactly once per epoch; a sample longer than tokens_per_step is
   truncated to it (counted by `count_truncated`), never dropped;
-- no padding: T is the sum of the step's sample lengths;
+- no padding, except up to the attention kernel's length multiple (`length_multiple`: flex
+  attention's 128-position blocks on CUDA): T is the sum of the step's sample lengths, rounded
+  up to that multiple with one padding document (`document_ids` -1, loss mask off);
 - `train.loss_positions` is applied here (`loss_positions`), in training only.
 """
 
@@ -114,14 +116,25 @@ def loss_positions(
     return [replace(s, loss_mask=all_positions_mask(len(s.loss_mask), ttt_steps)) for s in samples]
 
 
-def collate(samples: Sequence[AlignedSample], tokens_per_step: int) -> dict[str, torch.Tensor]:
+def collate(
+    samples: Sequence[AlignedSample], tokens_per_step: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
     """Pack samples into one speculators batch.
+
+    Args:
+        samples: the step's samples, each truncated to `tokens_per_step`.
+        tokens_per_step: the most positions one sample keeps.
+        multiple: pad T up to a multiple of this (`services.train.draft_model.length_multiple`
+            of the training device). The padding is laid out as speculators' own collator
+            lays it out (`speculators.train.data`): zeros, `document_ids` -1 (attends to
+            nothing), loss mask off.
 
     Returns:
         dict with `hidden_states` `[1, T, 3H]` (stored dtype), `input_ids` int64 `[1, T]`,
         `verifier_last_hidden_states` `[1, T, H]`, `loss_mask` bool `[1, T]`,
         `position_ids` int64 `[1, T]`, `document_ids` int64 `[1, T]` (sample index in the
-        step), where T = sum of the (truncated) sample lengths.
+        step, -1 on padding), where T = sum of the (truncated) sample lengths, rounded up to
+        `multiple`.
     """
     import torch
 
@@ -129,9 +142,12 @@ def collate(samples: Sequence[AlignedSample], tokens_per_step: int) -> dict[str,
     doc = torch.cat(
         [torch.full((len(p.input_ids),), i, dtype=torch.long) for i, p in enumerate(parts)]
     )
+    pad = -len(doc) % multiple
 
     def cat(field: Callable[[AlignedSample], torch.Tensor]) -> torch.Tensor:
-        return torch.cat([field(p) for p in parts]).unsqueeze(0)
+        first = field(parts[0])
+        tail = first.new_zeros((pad, *first.shape[1:]))
+        return torch.cat([*(field(p) for p in parts), tail]).unsqueeze(0)
 
     return {
         "hidden_states": cat(lambda p: p.aux),
@@ -139,5 +155,5 @@ def collate(samples: Sequence[AlignedSample], tokens_per_step: int) -> dict[str,
         "verifier_last_hidden_states": cat(lambda p: p.final),
         "loss_mask": cat(lambda p: p.loss_mask),
         "position_ids": cat(lambda p: p.position_ids),
-        "document_ids": doc.unsqueeze(0),
+        "document_ids": torch.cat([doc, doc.new_full((pad,), -1)]).unsqueeze(0),
     }

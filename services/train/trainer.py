@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from services.train import checkpoints as ckpt
 from services.train.acceptance import simulated_tau, teacher_head
-from services.train.draft_model import build_draft, load_trainable_state, trainable_state
+from services.train.draft_model import (
+    build_draft,
+    length_multiple,
+    load_trainable_state,
+    trainable_state,
+)
 from services.train.loss import step_denominators, ttt_loss
 from services.train.memory import (
     DENSE_MASK_MICRO_TOKENS,
@@ -131,6 +136,7 @@ class Trainer:
         draft = build_draft(recipe, *store.vocab.read_maps(), device=self.rt.device)
         draft = draft.to(self.rt.device)
         self.model = self.rt.wrap(draft)
+        self.attention_block = length_multiple(draft)
         self.total_steps = sum(len(p) for p in self.plans)
         self.optim = Optimizers(
             build_optimizers(draft, self.cfg),
@@ -201,6 +207,19 @@ class Trainer:
     @property
     def micro_tokens(self) -> int:
         return self.state.micro_tokens or self.cfg.tokens_per_step
+
+    @property
+    def pad_to(self) -> int:
+        """The length multiple of packed batches (`collate`'s `multiple`).
+
+        Under flex attention (CUDA), the micro-batch size rounded up to whole attention
+        blocks: every micro-batch then has one length, as speculators pads every batch to
+        its `max_len`, so the draft's compiled forward compiles once instead of per length
+        (past torch's recompile limit it runs flex attention unfused, materializing the
+        `[T, k*T]` scores per head: seen on an H200). 1 under sdpa (CPU).
+        """
+        block = self.attention_block
+        return 1 if block == 1 else -(-self.micro_tokens // block) * block
 
     @property
     def draft(self) -> torch.nn.Module:
@@ -419,7 +438,7 @@ class Trainer:
         if train:
             self.optim.zero_grad(set_to_none=True)
         for g, idx in enumerate(groups):
-            batch = self.to_device(collate([samples[i] for i in idx], tps))
+            batch = self.to_device(collate([samples[i] for i in idx], tps, self.pad_to))
             if train and self.cfg.noise_std > 0:
                 hs = batch["hidden_states"]
                 noise = torch.randn(hs.shape, generator=self.noise, device=hs.device)
@@ -488,6 +507,7 @@ class Trainer:
             self.recipe.bench.num_speculative_tokens,
             self._teacher_head,
             self.rt.autocast_dtype,
+            self.pad_to,
         )
         return {**{f"val_{k}": v for k, v in sums.items()}, **sim}
 
