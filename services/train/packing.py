@@ -124,10 +124,11 @@ def collate(
     Args:
         samples: the step's samples, each truncated to `tokens_per_step`.
         tokens_per_step: the most positions one sample keeps.
-        multiple: pad T up to a multiple of this (`services.train.draft_model.length_multiple`
-            of the training device). The padding is laid out as speculators' own collator
-            lays it out (`speculators.train.data`): zeros, `document_ids` -1 (attends to
-            nothing), loss mask off.
+        multiple: pad T up to a multiple of this: 1 under sdpa; under flex attention a
+            multiple of its block (`services.train.draft_model.length_multiple`), the
+            trainer's fixed batch length (`Trainer.pad_to`). The padding is laid out as
+            speculators' own collator lays it out (`speculators.train.data`): zeros,
+            `document_ids` -1 (attends to nothing), loss mask off.
 
     Returns:
         dict with `hidden_states` `[1, T, 3H]` (stored dtype), `input_ids` int64 `[1, T]`,
