@@ -57,8 +57,10 @@ def test_collate_pads_to_the_multiple_with_one_masked_document(lengths, multiple
         1000 * i + j for i, n in enumerate(lengths) for j in range(n)
     ]
     for key in ("hidden_states", "verifier_last_hidden_states", "input_ids", "position_ids"):
-        assert not batch[key][0, real:].any(), key
-        assert batch[key][0, :real].all() or key in ("input_ids", "position_ids"), key
+        assert not batch[key][0, real:].any(), key  # padding is zeros
+    for key in ("hidden_states", "verifier_last_hidden_states"):
+        assert batch[key][0, :real].all(), key  # the samples' states (ones) are all kept
+    assert batch["position_ids"][0, :real].tolist() == [p for n in lengths for p in range(1, n + 1)]
 
 
 def test_truncation_applies_before_padding():
