@@ -301,5 +301,31 @@ def draft_acceptance_rate(accepted_tokens: float, draft_tokens: float) -> float:
     return accepted_tokens / draft_tokens
 
 
+def replay_steps(accepted_at: Sequence[int], start: int) -> list[int]:
+    """The accepted counts of the speculative steps a greedy server takes over one answer.
+
+    A step drafts from anchor position a (the target has just produced the token after a),
+    accepts `accepted_at[a]` draft tokens and adds the target's own next token, so the next
+    step's anchor is `a + accepted_at[a] + 1` (vLLM v1: the bonus token ends every step).
+    The walk stops past the last anchor (the answer's last token: the request ends there).
+
+    Args:
+        accepted_at: per anchor position, the draft tokens the target would accept there.
+        start: the first step's anchor: the prompt's last position (the prefill produced
+            the answer's first token; `services.train.samples` aligns position t with the
+            next token x_{t+1}).
+
+    Returns:
+        accepted tokens per step, in order: `[2, 0, 1, 0, 3, 0]` from 0 gives `[2, 0, 3]`
+        (steps at 0, 3 and 4), from 1 gives `[0, 1, 3]` (steps at 1, 2 and 4).
+    """
+    steps = []
+    a = start
+    while 0 <= a < len(accepted_at):
+        steps.append(int(accepted_at[a]))
+        a += steps[-1] + 1
+    return steps
+
+
 #: τ below this with a trained draft is a misconfiguration until proven otherwise.
 TAU_MISCONFIG_THRESHOLD = 1.1

@@ -104,7 +104,7 @@ def simulated_tau(
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_dtype == "bf16"),
         ):
             for sample in samples:
-                chain, teacher_ok = _chain(model, head, sample, k, device, multiple)
+                _, chain, teacher_ok = _chain(model, head, sample, k, device, multiple)
                 counts += chain.sum(dim=0).cpu()
                 anchors += chain.shape[0]
                 in_vocab += int(teacher_ok)
@@ -122,6 +122,39 @@ def simulated_tau(
     }
 
 
+def accepted_lengths(
+    model: Any, sample: AlignedSample, k: int, lm_head: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per position of `sample`, the draft tokens a greedy target accepts at that anchor.
+
+    The same chain as `simulated_tau` (no autocast: in the model's dtype), kept per
+    position, for replaying a served answer step by step (`shared.conventions.replay_steps`).
+
+    Args:
+        model: a speculators `Eagle3DraftModel` (unwrapped).
+        sample: one aligned sample; its anchors are its loss-mask positions.
+        k: draft tokens per step.
+        lm_head: the target's full lm_head; default `teacher_head(model)`.
+
+    Returns:
+        int64 `[n]` (n = the sample's positions), 0..k at anchors, 0 elsewhere.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    head = (lm_head if lm_head is not None else teacher_head(model)).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            anchors, chain, _ = _chain(model, head, sample, k, device, length_multiple(model))
+    finally:
+        model.train(was_training)
+    out = torch.zeros(len(sample.input_ids), dtype=torch.long)
+    out[anchors.cpu()] = chain.sum(dim=1).cpu()
+    return out
+
+
 def _chain(
     model: Any,
     head: torch.Tensor,
@@ -129,13 +162,14 @@ def _chain(
     k: int,
     device: torch.device,
     multiple: int,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per anchor, which of the k steps lie in its accepted prefix.
 
     The sample is padded to a length multiple of `multiple` (masked, so no anchor).
 
     Returns:
-        (bool `[anchors, k]`, number of anchors whose teacher argmax is in the draft vocab).
+        (int64 `[anchors]` anchor positions, bool `[anchors, k]`, number of anchors whose
+        teacher argmax is in the draft vocab).
     """
     import torch
 
@@ -173,4 +207,4 @@ def _chain(
         steps.append(alive.clone())
     t2d = model.t2d
     in_vocab = int(t2d[teacher[anchors]].sum()) if t2d is not None else len(anchors)
-    return torch.stack(steps, dim=1), in_vocab
+    return anchors, torch.stack(steps, dim=1), in_vocab

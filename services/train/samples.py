@@ -157,7 +157,6 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> AlignedSample:
     Raises:
         ArtifactError: the file's shape or length disagrees with the shard's data.
     """
-    import torch
     from safetensors.torch import load_file
 
     check_readable(ref.hs_file, "train hidden states")
@@ -169,12 +168,25 @@ def load_sample(ref: SampleRef, loss_mask: list[int]) -> AlignedSample:
             f"{ref.hs_file}: hidden_states shape {tuple(hs.shape)}, expected "
             f"[{n}, {NUM_AUX_LAYERS + 1}, H] (seq_len from the rows dataset, row {ref.row})"
         )
-    mask = shift_mask_left(loss_mask)[1:]
+    return align(hs, tensors["token_ids"], loss_mask)
+
+
+def align(states: torch.Tensor, token_ids: torch.Tensor, loss_mask: list[int]) -> AlignedSample:
+    """One extracted sequence as the draft's aligned inputs (see the module docstring).
+
+    Args:
+        states: `[n, 3+1, H]`, an extractor's output (`SampleStates.states`).
+        token_ids: int `[n]`, the tokens the target ran.
+        loss_mask: the sequence's unshifted loss mask, n entries.
+    """
+    import torch
+
+    n = states.shape[0]
     return AlignedSample(
-        input_ids=tensors["token_ids"][1:].to(torch.long),
-        aux=hs[:-1, :NUM_AUX_LAYERS].flatten(1),
-        final=hs[1:, NUM_AUX_LAYERS],
-        loss_mask=torch.tensor(mask, dtype=torch.bool),
+        input_ids=token_ids[1:].to(torch.long),
+        aux=states[:-1, :NUM_AUX_LAYERS].flatten(1),
+        final=states[1:, NUM_AUX_LAYERS],
+        loss_mask=torch.tensor(shift_mask_left(loss_mask)[1:], dtype=torch.bool),
         position_ids=torch.arange(1, n, dtype=torch.long),
     )
 

@@ -143,3 +143,43 @@ def test_tau_doc_example():
 def test_tau_undefined_without_drafts():
     with pytest.raises(ContractMismatchError):
         c.mean_acceptance_length(0, 0)
+
+
+def test_replay_steps_doc_example():
+    assert c.replay_steps([2, 0, 1, 0, 3, 0], 0) == [2, 0, 3]
+    assert c.replay_steps([2, 0, 1, 0, 3, 0], 1) == [0, 1, 3]
+    assert c.replay_steps([], 0) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_replay_steps_match_a_greedy_speculative_decoder(seed):
+    """A plain decode loop (draft k, keep the leading matches, add the target's token) over
+    a fixed greedy answer takes the same steps as the replay of per-anchor lengths."""
+    import random
+
+    rng = random.Random(seed)
+    k, p, m = 3, rng.randint(2, 6), rng.randint(5, 40)
+    text = [rng.randrange(5) for _ in range(p + m)]  # prompt + the target's greedy answer
+    # The draft's guess for position i (the same wherever it drafts from): right 60 % of the
+    # time.
+    guess = [t if rng.random() < 0.6 else t + 10 for t in text]
+
+    steps = []
+    n = p + 1  # the prefill produced the answer's first token
+    while n < p + m:
+        accepted = 0
+        while accepted < k and n + accepted < p + m and guess[n + accepted] == text[n + accepted]:
+            accepted += 1
+        steps.append(accepted)
+        n += accepted + 1
+
+    # Anchor a holds the token x_{a+1} just produced; its chain checks x_{a+2}...x_{a+1+k}.
+    lengths = []
+    for a in range(p + m - 2):
+        length = 0
+        while (
+            length < k and a + 2 + length < p + m and guess[a + 2 + length] == text[a + 2 + length]
+        ):
+            length += 1
+        lengths.append(length)
+    assert c.replay_steps(lengths, p - 1) == steps

@@ -62,3 +62,28 @@ def test_k1_tau_matches_hf_teacher_argmax(reference_run, smollm2_path):
     assert 0 < in_vocab <= anchors
     flips = max(2, 0.03 * anchors)
     assert abs(got["teacher_in_draft_vocab"] * anchors - in_vocab) <= flips, (got, in_vocab)
+
+
+def test_accepted_lengths_are_simulated_taus_chains(reference_run):
+    """Per-position lengths (the served-τ replay's input) sum to simulated_tau's accepted
+    count in the same precision, are 0 off the anchors and never exceed k."""
+    from services.train import checkpoints
+    from services.train.acceptance import accepted_lengths, simulated_tau
+    from services.train.draft_model import build_draft, load_trainable_state
+    from services.train.samples import SampleReader, index_samples
+
+    recipe = reference_run.recipe()
+    draft = build_draft(recipe, *reference_run.vocab.read_maps())
+    load_trainable_state(draft, checkpoints.load(checkpoints.best_or_last(reference_run.train))[0])
+    read = SampleReader(reference_run)
+    samples = [read(r) for r in index_samples(reference_run).val]
+    k = 3
+    got = simulated_tau(draft, samples, k=k)
+    lengths = [accepted_lengths(draft, s, k) for s in samples]
+    assert sum(int(x.sum()) for x in lengths) == got["accepted"]
+    for s, x in zip(samples, lengths, strict=True):
+        assert x.shape == s.input_ids.shape
+        assert int(x[~s.loss_mask].abs().sum()) == 0
+        assert int(x.max()) <= k
+    # A trained draft accepts something, or the sums above compare zeros.
+    assert got["accepted"] > 0
