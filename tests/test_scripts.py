@@ -88,3 +88,17 @@ def test_bench_regen_levels_parse_and_refuse():
     assert "'32' is not CONCURRENCY:CONVERSATIONS" in r.stderr
     r = _help([sys.executable, str(SCRIPTS / "bench_regen.py"), "--levels", "0:4"])
     assert r.returncode == 2 and "'0:4'" in r.stderr
+
+
+def test_check_served_tau_compare_counts_exact_requests_and_three_taus():
+    from scripts.check_served_tau import compare
+
+    rows = [
+        {"drafts": 3, "accepted": 2, "replay": [2, 0, 0], "anchor_lengths": [2, 0, 1, 0]},
+        {"drafts": 2, "accepted": 1, "replay": [0, 0], "anchor_lengths": [0, 0, 3]},
+    ]
+    c = compare(rows)
+    assert c["requests"] == 2 and c["exact"] == 1
+    assert c["served"] == (5, 3, pytest.approx(1.6))
+    assert c["replayed"] == (5, 2, pytest.approx(1.4))
+    assert c["offline_tau"] == pytest.approx(1 + 6 / 7)
