@@ -7,6 +7,8 @@ scripts/setup; a missing one is an error that says to run it, never a skip.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,32 @@ def run_stage(store, name: str, shards=None, force: bool = False, urls=None) -> 
     st = get_stage(name)
     todo = st.shard_numbers(store) if shards is None else shards
     return [execute(st, store, s, force=force, urls=urls) for s in todo]
+
+
+def build_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder `build` fills once per pytest session, shared by every xdist worker.
+
+    A session fixture runs once per worker, so an expensive one (a trained draft) would be
+    built by each worker whose files use it. The workers share the parent of their base
+    temp folder (pytest-xdist's docs, "Making session-scoped fixtures execute only once"):
+    the first to ask builds there under a file lock, the others wait and reuse it. `.done`
+    marks a finished build; a half-built folder (its builder failed) is built again.
+
+    Returns:
+        the folder, `<pytest session temp>/once-<name>`.
+    """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / f"once-{name}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".done").touch()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import pytest
 from scripts.benchdata import smollm2_target
 from shared.artifacts import RunStore
 from shared.recipe import Recipe, resolve_recipe
+from tests.conftest import build_once, run_stage
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,11 +48,14 @@ def train_recipe(smollm2_path: Path, **train: Any) -> Recipe:
 @pytest.fixture(scope="session")
 def extract_data(smollm2_path, tmp_path_factory) -> RunStore:
     """A run with 32 real samples (<= 96 tokens) in 2 extract shards, their tokenized rows,
-    the held-out split (4 samples) and vocab/ (2048 draft ids)."""
+    the held-out split (4 samples) and vocab/ (2048 draft ids). Built once per session."""
     from tests.train.data import make_extract_data
 
-    root = tmp_path_factory.mktemp("extract-data") / "data"
-    return make_extract_data(root, train_recipe(smollm2_path))
+    recipe = train_recipe(smollm2_path)
+    root = build_once(
+        tmp_path_factory, "extract-data", lambda d: make_extract_data(d / "data", recipe)
+    )
+    return RunStore(recipe.run_id(), root / "data")
 
 
 @pytest.fixture
@@ -70,20 +74,21 @@ def make_run(extract_data, tmp_path):
 @pytest.fixture(scope="session")
 def reference_run(extract_data, smollm2_path, tmp_path_factory) -> RunStore:
     """The test recipe trained to the end once (2 epochs), in its own run store."""
-    from tests.conftest import run_stage
     from tests.train.data import link_inputs
 
     recipe = train_recipe(smollm2_path)
-    store = RunStore.create(recipe, root=tmp_path_factory.mktemp("reference") / "data")
-    link_inputs(store, extract_data)
-    run_stage(store, "train")
-    return store
+
+    def build(folder: Path) -> None:
+        store = RunStore.create(recipe, root=folder / "data")
+        link_inputs(store, extract_data)
+        run_stage(store, "train")
+
+    return RunStore(recipe.run_id(), build_once(tmp_path_factory, "reference", build) / "data")
 
 
 @pytest.fixture(scope="session")
-def exported_run(reference_run) -> RunStore:
+def exported_run(reference_run, tmp_path_factory) -> RunStore:
     """The reference run exported (vllm, speculators, sglang folders + lint.json)."""
-    from tests.conftest import run_stage
-
-    run_stage(reference_run, "export")
+    # The export is written into the reference run, once: a marker folder holds the lock.
+    build_once(tmp_path_factory, "export", lambda _: run_stage(reference_run, "export"))
     return reference_run
