@@ -90,15 +90,22 @@ def test_bench_regen_levels_parse_and_refuse():
     assert r.returncode == 2 and "'0:4'" in r.stderr
 
 
-def test_check_served_tau_compare_counts_exact_requests_and_three_taus():
+def test_check_served_tau_compare_counts_exact_and_cut_requests_and_three_taus():
     from scripts.check_served_tau import compare
 
     rows = [
-        {"drafts": 3, "accepted": 2, "replay": [2, 0, 0], "anchor_lengths": [2, 0, 1, 0]},
-        {"drafts": 2, "accepted": 1, "replay": [0, 0], "anchor_lengths": [0, 0, 3]},
+        {"drafts": 3, "accepted": 2, "finish": "stop", "replay": [2, 0, 0]},
+        {"drafts": 2, "accepted": 1, "finish": "stop", "replay": [0, 0]},
+        # cut at max_tokens: vLLM counted 2 more accepted in its last step (k = 3)
+        {"drafts": 2, "accepted": 3, "finish": "length", "replay": [1, 0]},
+        # cut, but 4 more is beyond one step of k = 3: a real difference
+        {"drafts": 1, "accepted": 4, "finish": "length", "replay": [0]},
     ]
-    c = compare(rows)
-    assert c["requests"] == 2 and c["exact"] == 1
-    assert c["served"] == (5, 3, pytest.approx(1.6))
-    assert c["replayed"] == (5, 2, pytest.approx(1.4))
-    assert c["offline_tau"] == pytest.approx(1 + 6 / 7)
+    anchors = [[2, 0, 1, 0], [0, 0, 3], [1, 0], [0]]
+    for r, a in zip(rows, anchors, strict=True):
+        r["anchor_lengths"] = a
+    c = compare(rows, k=3)
+    assert (c["requests"], c["exact"], c["cut"]) == (4, 1, 1)
+    assert c["served"] == (8, 10, pytest.approx(1 + 10 / 8))
+    assert c["replayed"] == (8, 3, pytest.approx(1 + 3 / 8))
+    assert c["offline_tau"] == pytest.approx(1 + 7 / 10)
