@@ -123,7 +123,14 @@ def test_two_rq_workers_match_one_process(tmp_path, redis_url, smollm2_path):
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(timeout=60)
+            # Warm shutdown waits for a busy work-horse; on a loaded machine that passed 60 s
+            # once after every job had finished. Stopping is not what this test checks
+            # (tests/shared/test_worker_lifecycle.py is), so a slow one is killed.
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
     q = get_queue("prep", conn)
     names = {
         q.fetch_job(job_id(multi.run_id, st, s)).worker_name
