@@ -178,6 +178,11 @@ def align(states: torch.Tensor, token_ids: torch.Tensor, loss_mask: list[int]) -
         states: `[n, 3+1, H]`, an extractor's output (`SampleStates.states`).
         token_ids: int `[n]`, the tokens the target ran.
         loss_mask: the sequence's unshifted loss mask, n entries.
+
+    Returns:
+        the sample's n - 1 positions: position t holds aux states of token t, the target's
+        final state and the id of token t + 1, and the loss mask shifted to match. No
+        checks here: `load_sample` checks a stored file's shapes before calling it.
     """
     import torch
 
