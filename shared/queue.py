@@ -812,7 +812,10 @@ def reconcile(
     output once.
 
     Returns:
-        ids of the jobs re-enqueued.
+        ids of the jobs put back on their queue by this call, each once: a job with retries
+        left goes to rq's scheduled registry first (its retry interval) and is returned by the
+        pass that moves it to the queue; one without goes to the failed registry and is
+        requeued from there at once (at most `MAX_ABANDON_REQUEUES` times).
     """
     requeued: list[str] = []
     for name in queues:
@@ -832,7 +835,15 @@ def reconcile(
                 dead.append(jid)
         if dead:
             reg.cleanup(timestamp=1)
-            requeued.extend(dead)
+            for jid in dead:
+                job = q.fetch_job(jid)
+                status = job.get_status(refresh=True) if job is not None else None
+                if status == JobStatus.SCHEDULED:
+                    # Counted when `_enqueue_due_retries` (or rq's scheduler) moves it, so a
+                    # retry is reported once, not at detection and again when it is due.
+                    log.info("job %s abandoned by a dead worker: scheduled for a retry", jid)
+                elif status == JobStatus.QUEUED:
+                    requeued.append(jid)
         requeued.extend(j for j in _enqueue_due_retries(q) if j not in requeued)
         failed = q.failed_job_registry
         for jid in failed.get_job_ids():

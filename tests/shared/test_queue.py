@@ -101,12 +101,24 @@ def test_real_worker_runs_a_job(redis_url, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path):
+@pytest.mark.parametrize("retry_after_s", [None, 5], ids=["no-retries", "retry-in-5s"])
+def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path, retry_after_s):
+    """Without retries rq fails the abandoned job and the reconciler requeues it; with one
+    (stage jobs have them), rq schedules it and the reconciler reports it once, when due."""
+    from rq import Retry
+
     conn = connect(redis_url)
     q = get_queue("prep", conn)
     out = tmp_path / "o"
+    retry = None if retry_after_s is None else Retry(max=1, interval=[retry_after_s])
     job = q.enqueue(
-        "tests.shared.jobfns.slow_write", str(out), 400, 0.02, job_id="t-write-1", job_timeout=300
+        "tests.shared.jobfns.slow_write",
+        str(out),
+        400,
+        0.02,
+        job_id="t-write-1",
+        job_timeout=300,
+        retry=retry,
     )
     w1 = _start_worker(redis_url, "w-victim", burst=False)
     deadline = time.monotonic() + 120
@@ -119,14 +131,18 @@ def test_sigkilled_worker_job_is_reenqueued_and_written_once(redis_url, tmp_path
     assert not (out / "data.txt").exists()
 
     t0 = time.monotonic()
-    requeued = []
+    requeued: list[str] = []
+    scheduled_seen = False
     while not requeued:
         # Only the worker's heartbeat tells it died (beats every 2 s here): no pid lookup.
         requeued = reconcile(conn, ("prep",), stale_after_s=8)
+        scheduled_seen |= job.get_status(refresh=True) == JobStatus.SCHEDULED
         assert time.monotonic() - t0 < 30, "reconciler did not re-enqueue within 30 s"
         time.sleep(0.5)
     assert requeued == ["t-write-1"]
     assert job.get_status(refresh=True) == JobStatus.QUEUED
+    assert scheduled_seen == (retry_after_s is not None)
+    assert reconcile(conn, ("prep",), stale_after_s=8) == []  # reported once
 
     w1.wait()
     w2 = _start_worker(redis_url, "w-rescue", burst=True)
