@@ -839,9 +839,10 @@ def reconcile(
                 job = q.fetch_job(jid)
                 status = job.get_status(refresh=True) if job is not None else None
                 if status == JobStatus.SCHEDULED:
-                    # Counted when `_enqueue_due_retries` (or rq's scheduler) moves it, so a
-                    # retry is reported once, not at detection and again when it is due.
-                    log.info("job %s abandoned by a dead worker: scheduled for a retry", jid)
+                    # Returned only once due (`_enqueue_due_retries`), so a retry is not
+                    # reported twice; logged now, as the driver logs re-enqueues, in case
+                    # rq's own scheduler moves it first.
+                    log.warning("job %s abandoned by a dead worker: scheduled for a retry", jid)
                 elif status == JobStatus.QUEUED:
                     requeued.append(jid)
         requeued.extend(j for j in _enqueue_due_retries(q) if j not in requeued)
