@@ -133,6 +133,7 @@ def _train_under_torchrun(ctx: StageContext, gpus: int) -> ShardResult:
 
 def run_training(store: RunStore, recipe: Recipe) -> ShardResult:
     """Train in this process (rank `RANK` of `WORLD_SIZE` under torchrun, else alone)."""
+    from services.train.runtime import keep_freed_memory
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
@@ -144,6 +145,8 @@ def run_training(store: RunStore, recipe: Recipe) -> ShardResult:
             f"{index.aux_layer_ids} but the recipe trains on {want}; re-extract"
         )
     trainer = Trainer(recipe, store, index)
+    if trainer.rt.device_type == "cpu":
+        keep_freed_memory()
     result = trainer.run()
     if not trainer.rt.is_main:
         return ShardResult({})

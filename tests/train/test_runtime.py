@@ -18,3 +18,44 @@ def test_auto_precision_on_cpu_follows_the_bf16_kernels(smollm2_path, monkeypatc
     bf16 = runtime.resolve_runtime(train_recipe(smollm2_path, precision="bf16"))
     fp32 = runtime.resolve_runtime(train_recipe(smollm2_path, precision="fp32"))
     assert (bf16.autocast_dtype, fp32.autocast_dtype) == ("bf16", None)
+
+
+KEEP_PROBE = """
+import ctypes, ctypes.util, sys
+import psutil
+from services.train.runtime import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+n = 24 << 20  # a loss chunk's size: [768, 8192] fp32
+buf = libc.malloc(n)
+ctypes.memset(buf, 1, n)  # touch every page
+before = psutil.Process().memory_info().rss
+libc.free(buf)
+print((before - psutil.Process().memory_info().rss) / (1 << 20))
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "keep"])
+def test_keep_freed_memory_keeps_a_freed_loss_chunk_resident(mode):
+    """glibc returns a freed 24 MiB block to the kernel by default (RSS drops by its size);
+    after `keep_freed_memory` it stays in the heap for the next chunk. Each mode runs in a
+    fresh interpreter: the setting holds for a whole process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil  # noqa: F401  (the probe needs it)
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", KEEP_PROBE, mode], cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    dropped_mib = float(out.stdout)
+    if mode == "keep":
+        assert dropped_mib < 2
+    else:
+        assert dropped_mib > 20
