@@ -37,6 +37,9 @@ clock runs only while it trains or validates, and each stops when its budget is 
   (speculators' CLI would also take `--draft-attn-impl sdpa --loss-implementation eager`;
   here the draft is built by `build_draft`, whose attention is sdpa, and the loss is eager.)
 
+The process keeps freed heap memory (`services.train.runtime.keep_freed_memory`, which the
+train stage sets on CPU): it is process-wide, so both sides run with it.
+
 `--data DIR` keeps the run (the input stages' output) in DIR: a later run with the same
 data arguments (--samples, --max-len, --draft-vocab, --val-fraction, --epochs, --lr,
 --tokens-per-step: they name the run) finds every stage's shards done and skips them, so runs
@@ -259,6 +262,7 @@ def main() -> None:
     import torch
 
     from services.train.optim import newton_schulz_float32, newton_schulz_fp32_needed
+    from services.train.runtime import keep_freed_memory
     from services.train.samples import SampleReader, index_samples
     from services.train.trainer import Trainer
     from shared.artifacts import RunStore
@@ -284,6 +288,7 @@ def main() -> None:
         index.val = select
         read = SampleReader(store)
         eyrie = Trainer(recipe, store, index)
+        keep_freed_memory()
         if not args.no_reference:
             ref, ref_model, ref_data = reference_trainer(
                 base, store, index.train, Path(tmp) / "reference", args.epochs

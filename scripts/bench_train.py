@@ -31,12 +31,17 @@ stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` to
   time and its split (steps, validation, checkpoints), tokens/s, the final validation loss
   and offline (simulated) τ, and the wall-time ratio. `--train-samples N` trains on the
   first N samples only (the held-out ones stay), to keep it short on 2 cores.
+- `--allocator`: `--steps` training steps at the demo's settings in a fresh process with
+  glibc's defaults and in one with `services.train.runtime.keep_freed_memory` (what the
+  train stage sets on CPU), alternating for `--pairs` pairs; prints tokens/s of each and
+  the ratio pair by pair. Separate processes, because the setting holds for a whole process.
 
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
        .venv/bin/python scripts/bench_train.py --profile [--lengths 256 512 1024 2048]
        .venv/bin/python scripts/bench_train.py --stage [--epochs 2] [--pairs 2]
        [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
+       .venv/bin/python scripts/bench_train.py --allocator [--pairs 3] [--steps 30]
        (`--data DIR` keeps the extracted data between invocations)
 """
 
@@ -375,6 +380,53 @@ def eyrie_step_s(trainer, bar) -> float:
     return time.perf_counter() - t0
 
 
+def allocator_child(args: argparse.Namespace, root: Path) -> None:
+    """One side of `--allocator`: time `--steps` demo steps after one warm-up step."""
+    from services.train.runtime import keep_freed_memory
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer
+
+    if args.allocator_child == "keep" and not keep_freed_memory():
+        sys.exit("keep_freed_memory: mallopt refused (not glibc?)")
+    store = demo_inputs(args, root)
+    trainer = Trainer(demo_recipe(args, args.new), store, index_samples(store))
+    steps = [idx for plan in trainer.plans for idx in plan][: args.steps + 1]
+    if len(steps) <= args.steps:
+        sys.exit(f"only {len(steps) - 1} steps after the warm-up: raise --epochs or --samples")
+    refs = trainer.train_refs
+    trainer.train_step([refs[i] for i in steps[0]])
+    t0, tokens = time.perf_counter(), 0
+    for idx in steps[1:]:
+        tokens += trainer.train_step([refs[i] for i in idx])["tokens"]
+    print(f"ALLOCATOR {tokens / (time.perf_counter() - t0):.1f}", flush=True)
+
+
+def allocator_main(args: argparse.Namespace, root: Path) -> None:
+    """`--allocator`: glibc's defaults vs `keep_freed_memory`, alternating processes."""
+    import statistics
+    import subprocess
+
+    demo_inputs(args, root)  # made once here; each child reuses them
+    base = [sys.executable, __file__, "--data", str(root), "--samples", str(args.samples)]
+    base += ["--max-len", str(args.max_len), "--epochs", str(args.epochs)]
+    base += ["--steps", str(args.steps), "--new", *args.new]
+    ratios = []
+    for p in range(args.pairs):
+        rate = {}
+        for side in ("default", "keep"):
+            out = subprocess.run(
+                [*base, "--allocator-child", side], capture_output=True, text=True, check=True
+            ).stdout
+            rate[side] = float(out.split("ALLOCATOR ")[-1].split()[0])
+        ratios.append(rate["keep"] / rate["default"])
+        print(
+            f"pair {p + 1}: glibc defaults {rate['default']:7.1f} tok/s, keep_freed_memory "
+            f"{rate['keep']:7.1f} tok/s, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
+    print(f"median ratio keep_freed_memory / defaults: {statistics.median(ratios):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -395,14 +447,22 @@ def main() -> None:
     ap.add_argument("--train-samples", type=int, help="--stage: train on the first N only")
     ap.add_argument("--all-rows", action="store_true", help="--profile the old loss")
     ap.add_argument("--new", nargs="*", default=NEW, help="recipe overrides of the new run")
+    ap.add_argument("--allocator", action="store_true", help="glibc defaults vs kept memory")
+    ap.add_argument("--allocator-child", choices=["default", "keep"], help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=30, help="--allocator: timed steps per side")
     args = ap.parse_args()
-    if args.profile or args.stage:
+    if args.profile or args.stage or args.allocator or args.allocator_child:
         if args.samples == 32:
             args.samples = 128
         if args.max_len == 160:
             args.max_len = 256
+        if args.allocator_child:
+            allocator_child(args, args.data)
+            return
+        mode = profile_main if args.profile else stage_main
+        mode = allocator_main if args.allocator else mode
         with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-            (profile_main if args.profile else stage_main)(args, args.data or Path(tmp))
+            mode(args, args.data or Path(tmp))
         return
 
     import torch
