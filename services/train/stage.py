@@ -145,8 +145,8 @@ def run_training(store: RunStore, recipe: Recipe) -> ShardResult:
             f"{index.aux_layer_ids} but the recipe trains on {want}; re-extract"
         )
     trainer = Trainer(recipe, store, index)
-    if trainer.rt.device_type == "cpu":
-        keep_freed_memory()
+    if trainer.rt.device_type == "cpu" and not keep_freed_memory():
+        log.info("train: not glibc, so freed loss buffers go back to the kernel (slower steps)")
     result = trainer.run()
     if not trainer.rt.is_main:
         return ShardResult({})

@@ -47,8 +47,6 @@ def test_keep_freed_memory_keeps_a_freed_loss_chunk_resident(mode):
     import sys
     from pathlib import Path
 
-    import psutil  # noqa: F401  (the probe needs it)
-
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", KEEP_PROBE, mode], cwd=root, capture_output=True, text=True
