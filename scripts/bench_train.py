@@ -35,6 +35,9 @@ stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` to
   glibc's defaults and in one with `services.train.runtime.keep_freed_memory` (what the
   train stage sets on CPU), alternating for `--pairs` pairs; prints tokens/s of each and
   the ratio pair by pair. Separate processes, because the setting holds for a whole process.
+- `--fused-loss`: the same, both sides with `keep_freed_memory`, with the loss's element-wise
+  kernels eager (`train.fused_loss=false`) and compiled (`true`; `services.train.loss.
+  loss_kernels`); the first step, untimed, includes the compile.
 
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
@@ -42,6 +45,7 @@ Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        .venv/bin/python scripts/bench_train.py --stage [--epochs 2] [--pairs 2]
        [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
        .venv/bin/python scripts/bench_train.py --allocator [--pairs 3] [--steps 30]
+       .venv/bin/python scripts/bench_train.py --fused-loss [--pairs 3] [--steps 30]
        (`--data DIR` keeps the extracted data between invocations)
 """
 
@@ -380,51 +384,68 @@ def eyrie_step_s(trainer, bar) -> float:
     return time.perf_counter() - t0
 
 
-def allocator_child(args: argparse.Namespace, root: Path) -> None:
-    """One side of `--allocator`: time `--steps` demo steps after one warm-up step."""
+#: `--allocator` and `--fused-loss`: per side, (keep_freed_memory, extra recipe overrides).
+PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str]]]] = {
+    "allocator": {
+        "glibc defaults": (False, []),
+        "keep_freed_memory": (True, []),
+    },
+    "fused-loss": {
+        "eager loss": (True, ["train.fused_loss=false"]),
+        "fused loss": (True, ["train.fused_loss=true"]),
+    },
+}
+
+
+def process_child(args: argparse.Namespace, root: Path) -> None:
+    """One side of a process comparison: time `--steps` demo steps after one warm-up step."""
     from services.train.runtime import keep_freed_memory
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    if args.allocator_child == "keep" and not keep_freed_memory():
+    keep, overrides = PROCESS_SIDES[args.compare][args.side]
+    if keep and not keep_freed_memory():
         sys.exit("keep_freed_memory: mallopt refused (not glibc?)")
     store = demo_inputs(args, root)
-    trainer = Trainer(demo_recipe(args, args.new), store, index_samples(store))
+    trainer = Trainer(demo_recipe(args, [*args.new, *overrides]), store, index_samples(store))
     steps = [idx for plan in trainer.plans for idx in plan][: args.steps + 1]
     if len(steps) <= args.steps:
         sys.exit(f"only {len(steps) - 1} steps after the warm-up: raise --epochs or --samples")
     refs = trainer.train_refs
-    trainer.train_step([refs[i] for i in steps[0]])
+    t0 = time.perf_counter()
+    trainer.train_step([refs[i] for i in steps[0]])  # first-call allocations, compiles
+    warm = time.perf_counter() - t0
     t0, tokens = time.perf_counter(), 0
     for idx in steps[1:]:
         tokens += trainer.train_step([refs[i] for i in idx])["tokens"]
-    print(f"ALLOCATOR {tokens / (time.perf_counter() - t0):.1f}", flush=True)
+    print(f"RATE {tokens / (time.perf_counter() - t0):.1f} {warm:.1f}", flush=True)
 
 
-def allocator_main(args: argparse.Namespace, root: Path) -> None:
-    """`--allocator`: glibc's defaults vs `keep_freed_memory`, alternating processes."""
+def process_main(args: argparse.Namespace, root: Path) -> None:
+    """`--allocator` / `--fused-loss`: two process-wide settings in alternating processes."""
     import statistics
     import subprocess
 
     demo_inputs(args, root)  # made once here; each child reuses them
     base = [sys.executable, __file__, "--data", str(root), "--samples", str(args.samples)]
     base += ["--max-len", str(args.max_len), "--epochs", str(args.epochs)]
-    base += ["--steps", str(args.steps), "--new", *args.new]
+    base += ["--steps", str(args.steps), "--compare", args.compare, "--new", *args.new]
+    a, b = list(PROCESS_SIDES[args.compare])
     ratios = []
     for p in range(args.pairs):
-        rate = {}
-        for side in ("default", "keep"):
+        rate, warm = {}, {}
+        for side in (a, b):
             out = subprocess.run(
-                [*base, "--allocator-child", side], capture_output=True, text=True, check=True
+                [*base, "--side", side], capture_output=True, text=True, check=True
             ).stdout
-            rate[side] = float(out.split("ALLOCATOR ")[-1].split()[0])
-        ratios.append(rate["keep"] / rate["default"])
+            rate[side], warm[side] = map(float, out.split("RATE ")[-1].split()[:2])
+        ratios.append(rate[b] / rate[a])
         print(
-            f"pair {p + 1}: glibc defaults {rate['default']:7.1f} tok/s, keep_freed_memory "
-            f"{rate['keep']:7.1f} tok/s, ratio {ratios[-1]:.3f}",
+            f"pair {p + 1}: {a} {rate[a]:7.1f} tok/s (first step {warm[a]:.1f} s), {b} "
+            f"{rate[b]:7.1f} tok/s (first step {warm[b]:.1f} s), ratio {ratios[-1]:.3f}",
             flush=True,
         )
-    print(f"median ratio keep_freed_memory / defaults: {statistics.median(ratios):.3f}")
+    print(f"median ratio {b} / {a}: {statistics.median(ratios):.3f}")
 
 
 def main() -> None:
@@ -448,19 +469,23 @@ def main() -> None:
     ap.add_argument("--all-rows", action="store_true", help="--profile the old loss")
     ap.add_argument("--new", nargs="*", default=NEW, help="recipe overrides of the new run")
     ap.add_argument("--allocator", action="store_true", help="glibc defaults vs kept memory")
-    ap.add_argument("--allocator-child", choices=["default", "keep"], help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=30, help="--allocator: timed steps per side")
+    ap.add_argument("--fused-loss", action="store_true", help="eager vs compiled loss kernels")
+    ap.add_argument("--compare", choices=list(PROCESS_SIDES), help=argparse.SUPPRESS)
+    ap.add_argument("--side", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per process")
     args = ap.parse_args()
-    if args.profile or args.stage or args.allocator or args.allocator_child:
+    if args.profile or args.stage or args.allocator or args.fused_loss or args.side:
         if args.samples == 32:
             args.samples = 128
         if args.max_len == 160:
             args.max_len = 256
-        if args.allocator_child:
-            allocator_child(args, args.data)
+        if args.side:
+            process_child(args, args.data)
             return
         mode = profile_main if args.profile else stage_main
-        mode = allocator_main if args.allocator else mode
+        if args.allocator or args.fused_loss:
+            args.compare = "allocator" if args.allocator else "fused-loss"
+            mode = process_main
         with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
             mode(args, args.data or Path(tmp))
         return

@@ -398,6 +398,13 @@ class TrainConfig(Section):
         description="Optimizer steps between rolling mid-epoch resume checkpoints (one kept, "
         "overwritten); 0 = only per-epoch checkpoints.",
     )
+    fused_loss: bool | Literal["auto"] = Field(
+        "auto",
+        description="Run the loss's element-wise work over [chunk, draft_vocab] (softmax, "
+        "KL, its gradient, argmax) as kernels fused by torch.compile instead of one eager "
+        "pass per op: true, false, or 'auto' = true on CPU (where it was measured; it needs "
+        "a C++ compiler, and without one the loss runs eager and says so), false on CUDA.",
+    )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
         description="Compute precision: 'bf16' autocast, 'fp32', or 'auto' = bf16 autocast on "

@@ -31,9 +31,10 @@ losses (and gradients) sum to the unsplit step's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 #: speculators' `_LOSS_REDUCTION_EPS`: added to the trainable-position count of a step.
 REDUCTION_EPS = 1e-5
 TEACHER_KEYS = ("verifier_last_hidden_states", "loss_mask")
+log = logging.getLogger("eyrie.train")
 
 
 def step_denominators(loss_mask: torch.Tensor, ttt_steps: int) -> list[float]:
@@ -53,9 +55,112 @@ def step_denominators(loss_mask: torch.Tensor, ttt_steps: int) -> list[float]:
     return [float(loss_mask[:, j:].sum()) + REDUCTION_EPS for j in range(ttt_steps)]
 
 
-def _at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """`x[i, idx[i]]` for each row i: `[c, V]`, `[c]` → `[c]`."""
-    return x.gather(1, idx[:, None]).squeeze(1)
+def _teacher_terms(
+    t: torch.Tensor, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p `[c, Vd]`, negative entropy `[c]`, argmax `[c]`) from teacher logits t `[c, Vd]`.
+
+    Softmax and entropy in `acc` (fp32, or fp64 for fp64 inputs) whatever t's dtype. Written
+    for `torch.compile` to fuse (`loss_kernels`): the eager form allocates more temporaries.
+    """
+    t = t.to(acc)
+    m = t.amax(dim=-1, keepdim=True)
+    e = (t - m).exp()
+    s = e.sum(dim=-1, keepdim=True)
+    p = e / s
+    neg_entropy = (p * t).sum(dim=-1) - (m + s.log()).squeeze(-1)
+    return p, neg_entropy, t.argmax(dim=-1)
+
+
+def _draft_terms(
+    z: torch.Tensor,
+    p: torch.Tensor,
+    neg_entropy: torch.Tensor,
+    wc: torch.Tensor,
+    grad_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One chunk's weighted KL from draft logits, and its gradient with respect to them.
+
+    Args:
+        z: `[c, Vd]` draft logits (any float dtype; computed in p's dtype).
+        p, neg_entropy: the teacher's `[c, Vd]` probabilities and `[c]` negative entropy.
+        wc: `[c]` per-position weight, in p's dtype.
+        grad_dtype: dtype of the returned gradient (the matmuls'), or None for none.
+
+    Returns:
+        (sum_i wc_i KL_i (scalar), `wc * (softmax(z) - p)` `[c, Vd]` or None, argmax `[c]`).
+    """
+    z = z.to(p.dtype)
+    m = z.amax(dim=-1, keepdim=True)
+    e = (z - m).exp()
+    s = e.sum(dim=-1, keepdim=True)
+    # KL(p || q) = sum_v p_v log p_v - sum_v p_v z_v + lse(z)
+    kl = neg_entropy - (z * p).sum(dim=-1) + (m + s.log()).squeeze(-1)
+    loss = (kl * wc).sum()
+    arg = z.argmax(dim=-1)
+    if grad_dtype is None:
+        return loss, None, arg
+    # d/dlogits of sum_v p_v (log p_v - log q_v) is q - p (p sums to 1).
+    return loss, ((e / s - p) * wc[:, None]).to(grad_dtype), arg
+
+
+class LossKernels(NamedTuple):
+    """The loss's element-wise work over `[chunk, Vd]`: `_teacher_terms`, `_draft_terms`."""
+
+    teacher: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    draft: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+
+_EAGER = LossKernels(_teacher_terms, _draft_terms)
+_fused: LossKernels | None = None
+
+
+def loss_kernels(fused: bool) -> LossKernels:
+    """The element-wise kernels, eager or fused by `torch.compile` (inductor).
+
+    Eager, each max, exp, sum, product, cast and argmax is its own pass over the fp32
+    `[chunk, Vd]` logits, several times the logits matmul's time on a CPU; inductor fuses
+    them into a few loops (on the demo's 2-core AMX CPU, 1.15x the training tokens/s:
+    `scripts/bench_train.py --fused-loss`). Shapes are dynamic (chunks differ in rows), so
+    one build serves every chunk. Building needs a C++ compiler on CPU (Triton on CUDA):
+    where a kernel's first call fails to build, that kernel runs eager for the rest of the
+    process and one line is logged (the kernels change no input in place, so the call is
+    simply repeated eager).
+
+    Args:
+        fused: use the compiled kernels (built on their first call).
+    """
+    global _fused
+    if not fused:
+        return _EAGER
+    if _fused is None:
+        _fused = LossKernels(*(_Compiled(f) for f in _EAGER))
+    return _fused
+
+
+class _Compiled:
+    """`torch.compile(fn)`, or `fn` itself once the compiled one failed on its first call."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        import torch
+
+        self.eager, self.fn, self.built = fn, torch.compile(fn, dynamic=True), False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.built:
+            return self.fn(*args)
+        try:
+            out = self.fn(*args)
+        except Exception as e:  # noqa: BLE001  inductor's build errors share no base class
+            log.warning(
+                "train: fused loss kernel %s not built, running eager: %s",
+                self.eager.__name__,
+                (str(e).strip().splitlines() or [type(e).__name__])[0][:200],
+            )
+            self.fn = self.eager
+            out = self.fn(*args)
+        self.built = True
+        return out
 
 
 class Teacher:
@@ -73,6 +178,7 @@ class Teacher:
         matmul_dtype: dtype of the logits matmul (bf16 under autocast).
         cached: int64 `[m]` positions to compute up front (every position `at` will be asked
             for), or None. The cache is `[m, Vd]` fp32: callers bound m by the loss chunk.
+        fused: compute with the compiled kernels (`loss_kernels`).
     """
 
     def __init__(
@@ -81,10 +187,12 @@ class Teacher:
         tw: torch.Tensor,
         matmul_dtype: torch.dtype,
         cached: torch.Tensor | None = None,
+        fused: bool = False,
     ) -> None:
         import torch
 
         self.th, self.twm, self.matmul_dtype = th, tw.to(matmul_dtype), matmul_dtype
+        self.fused = fused
         self.acc = torch.float64 if th.dtype == torch.float64 else torch.float32
         self.slot: torch.Tensor | None = None
         if cached is not None:
@@ -93,17 +201,8 @@ class Teacher:
             self.slot[cached] = torch.arange(len(cached), device=th.device)
 
     def _compute(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        import torch.nn.functional as F
-
-        t = (self.th[pos].to(self.matmul_dtype) @ self.twm.T).to(self.acc)  # shape: [c, Vd]
-        p = F.softmax(t, dim=-1)
-        arg = t.argmax(dim=-1)
-        # sum_v p_v log p_v = sum_v p_v t_v - lse(t), the lse read off the row's top entry
-        # (lse = t_max - log p_max; p_max >= 1/Vd, so no underflow): no elementwise log over
-        # [c, Vd], where kl_div's xlogy cost as much as both softmaxes.
-        lse = _at(t, arg) - _at(p, arg).log()
-        neg_entropy = t.mul_(p).sum(dim=-1) - lse  # t's buffer: t is not needed after this
-        return p, neg_entropy, arg
+        t = self.th[pos].to(self.matmul_dtype) @ self.twm.T  # shape: [c, Vd]
+        return loss_kernels(self.fused).teacher(t, self.acc)
 
     def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(p `[c, Vd]`, negative entropy `[c]`, argmax `[c]`) at positions `pos` (int64 `[c]`).
@@ -135,8 +234,8 @@ def _kl_and_grad(
 
     Args:
         h: `[n, H]` normed draft states; w: `[Vd, H]` draft lm_head.
-        teacher: the teacher distribution; `pos` int64 `[n]`: the teacher position scored
-            by each row of h.
+        teacher: the teacher distribution (its `fused` picks the kernels for the draft side
+            too); `pos` int64 `[n]`: the teacher position scored by each row of h.
         weight: `[n]` per-position weight (mask * decay**j / denominator).
         chunk_tokens: positions per chunk.
         want_h, want_w: compute the gradient with respect to `h` / `w`.
@@ -147,7 +246,6 @@ def _kl_and_grad(
         (loss, grad_h or None, grad_w or None, draft argmax `[n]`, teacher argmax `[n]`).
     """
     import torch
-    import torch.nn.functional as F
 
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     n = h.shape[0]
@@ -157,27 +255,21 @@ def _kl_and_grad(
     pred = torch.empty(n, dtype=torch.long, device=h.device)
     teach = torch.empty(n, dtype=torch.long, device=h.device)
     wm = w.to(matmul_dtype)
+    draft_terms = loss_kernels(teacher.fused).draft
+    want = matmul_dtype if want_h or want_w else None
     for s in range(0, n, chunk_tokens):
         e = min(s + chunk_tokens, n)
         p, neg_entropy, teach[s:e] = teacher.at(pos[s:e])
         hc = h[s:e].to(matmul_dtype)
-        z = (hc @ wm.T).to(acc)  # draft logits, shape: [c, Vd]
-        q = F.softmax(z, dim=-1)
-        pred[s:e] = d_arg = z.argmax(dim=-1)
-        lse_q = _at(z, d_arg) - _at(q, d_arg).log()
-        # KL(p || q) = sum_v p_v log p_v - sum_v p_v z_v + lse(z)
-        kl = neg_entropy - z.mul_(p).sum(dim=-1) + lse_q  # shape: [c]
-        del z
         wc = weight[s:e].to(acc)
-        loss += (kl * wc).sum()
-        if want_h or want_w:
-            # d/dlogits of sum_v p_v (log p_v - log q_v) is q - p (p sums to 1).
-            g = q.sub_(p).mul_(wc[:, None]).to(matmul_dtype)  # shape: [c, Vd]
+        chunk_loss, g, pred[s:e] = draft_terms(hc @ wm.T, p, neg_entropy, wc, want)
+        loss += chunk_loss
+        if g is not None:  # shape: [c, Vd]
             if grad_h is not None:
                 grad_h[s:e] = (g @ wm).to(h.dtype)
             if grad_w is not None:
                 grad_w += (g.T @ hc).to(acc)
-        del q, p
+        del p, g
     return loss, grad_h, grad_w, pred, teach
 
 
@@ -342,6 +434,7 @@ def ttt_loss(
     chunk_tokens: int,
     denominators: list[float] | None = None,
     autocast_dtype: str | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The TTT forward and its loss, chunked over tokens per TTT step.
 
@@ -354,6 +447,7 @@ def ttt_loss(
         chunk_tokens: positions per loss chunk.
         denominators: per-step normalizers; default this batch's (`step_denominators`).
         autocast_dtype: 'bf16' to run under bf16 autocast (matmuls of the loss in bf16).
+        fused: the loss's element-wise work through the compiled kernels (`loss_kernels`).
 
     Returns:
         (loss, metrics) as speculators' forward returns them (see the module docstring).
@@ -385,7 +479,7 @@ def ttt_loss(
     if cached is not None and len(cached) > chunk_tokens:
         cached = None
     with torch.no_grad():
-        teacher = Teacher(teacher_h, tw, mm_dtype or cap.inputs[0].dtype, cached)
+        teacher = Teacher(teacher_h, tw, mm_dtype or cap.inputs[0].dtype, cached, fused)
     prev_correct = mask[0].clone()
     loss: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}

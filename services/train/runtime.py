@@ -39,12 +39,15 @@ class Runtime:
         rank: global rank (0 in a single process).
         world_size: number of processes.
         autocast_dtype: 'bf16' autocast, or None for fp32 compute.
+        fused_loss: the loss's element-wise work through compiled kernels
+            (`services.train.loss.loss_kernels`).
     """
 
     device: str
     rank: int = 0
     world_size: int = 1
     autocast_dtype: str | None = None
+    fused_loss: bool = False
 
     @property
     def device_type(self) -> str:
@@ -109,7 +112,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def resolve_runtime(recipe: Recipe) -> Runtime:
-    """Read `train.device`, `train.precision` and torchrun's environment.
+    """Read `train.device`, `train.precision`, `train.fused_loss` and torchrun's environment.
 
     Raises:
         ConfigError: CUDA requested but unavailable, or an unknown device string.
@@ -142,4 +145,6 @@ def resolve_runtime(recipe: Recipe) -> Runtime:
             "train.precision: bf16 on a CPU without bf16 matmul kernels (no AVX-512/AMX): "
             "its matmuls run tens of times slower than fp32 here; 'auto' picks fp32"
         )
-    return Runtime(device, rank, world, "bf16" if precision == "bf16" else None)
+    fused = recipe.train.fused_loss
+    fused_loss = device == "cpu" if fused == "auto" else fused
+    return Runtime(device, rank, world, "bf16" if precision == "bf16" else None, fused_loss)

@@ -482,6 +482,7 @@ class Trainer:
             self.cfg.loss_chunk_tokens,
             denominators,
             self.rt.autocast_dtype,
+            self.rt.fused_loss,
         )
 
     # -- validation and epoch end ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`train.precision: auto` picks bf16 only where the CPU has bf16 matmul kernels."""
+"""`train.precision: auto` picks bf16 only where the CPU has bf16 matmul kernels; the CPU
+trainer's allocator setting and fused-loss default."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ def test_auto_precision_on_cpu_follows_the_bf16_kernels(smollm2_path, monkeypatc
     bf16 = runtime.resolve_runtime(train_recipe(smollm2_path, precision="bf16"))
     fp32 = runtime.resolve_runtime(train_recipe(smollm2_path, precision="fp32"))
     assert (bf16.autocast_dtype, fp32.autocast_dtype) == ("bf16", None)
+
+
+def test_fused_loss_auto_is_on_for_cpu_and_an_explicit_choice_is_kept(smollm2_path):
+    from services.train import runtime
+
+    def resolved(value):
+        return runtime.resolve_runtime(train_recipe(smollm2_path, fused_loss=value)).fused_loss
+
+    assert resolved("auto") is True  # train.device auto on a machine without CUDA: cpu
+    assert (resolved(True), resolved(False)) == (True, False)
 
 
 KEEP_PROBE = """
