@@ -120,9 +120,11 @@ def loss_kernels(fused: bool) -> LossKernels:
 
     Eager, each max, exp, sum, product, cast and argmax is its own pass over the fp32
     `[chunk, Vd]` logits, several times the logits matmul's time on a CPU; inductor fuses
-    them into a few loops (on the demo's 2-core AMX CPU, 1.15x the training tokens/s:
+    them into a few loops (on the demo's 2-core AMX CPU, 1.12x the training tokens/s:
     `scripts/bench_train.py --fused-loss`). Shapes are dynamic (chunks differ in rows), so
-    one build serves every chunk. Building needs a C++ compiler on CPU (Triton on CUDA):
+    one build serves every chunk. The first build costs ~13 s of the first step there
+    (teacher and training kernels) and a few more at the first validation; later processes
+    load it from inductor's on-disk cache. Building needs a C++ compiler on CPU (Triton on CUDA):
     where a kernel's first call fails to build, that kernel runs eager for the rest of the
     process and one line is logged (the kernels change no input in place, so the call is
     simply repeated eager).
