@@ -17,6 +17,8 @@ instead of speculators' `[T, Vd]` fp32 log-softmax and softmax per step until ba
 The teacher side (`Teacher`: softmax, negative entropy, argmax) is the same for every TTT
 step, shifted, so when a micro-batch's teacher positions fit in one chunk it is computed once
 and gathered by each step.
+The element-wise work over each `[chunk, Vd]` block (everything but the matmuls) is
+`_teacher_terms` and `_draft_terms`, eager or compiled by inductor (`loss_kernels`).
 
 Alignment (speculators `align_for_step`): step j's draft logits at positions `0..T-j-1` are
 scored against the teacher logits at `j..T-1`, with `loss_mask[j:]`; the chain accuracy
