@@ -158,6 +158,15 @@ def test_cpu_image_has_no_cuda_and_gpu_image_has_speculators_without_deps():
     assert "--no-deps speculators==0.9.0 hs-connectors==0.9.0" in gpu
 
 
+def test_gpu_image_can_build_torch_compile_kernels():
+    """Triton (CUDA) and inductor (CPU) compile C at run time; the image's last stage must
+    install a compiler and prove it at build time (pytorch/pytorch#116696)."""
+    final = (ROOT / GPU_DOCKERFILE).read_text().rsplit("\nFROM ", 1)[1]
+    assert re.search(r"apt-get install [^&]*\bgcc=.*\bg\+\+=.*\blibc6-dev=", final, re.S)
+    assert "python3-dev" in final  # Debian's python3 has no headers without it
+    assert "torch.compile(" in final.split("USER ")[0]
+
+
 def test_vllm_cpu_image_is_the_setup_toolchain():
     text = (ROOT / VLLM_CPU_DOCKERFILE).read_text()
     setup = pins(ROOT / "scripts" / "constraints.txt")
