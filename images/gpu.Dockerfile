@@ -56,20 +56,8 @@ RUN groupadd --gid 10001 eyrie \
  && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin eyrie \
  && mkdir -p /app /data /cache /hf-cache /opt/eyrie \
  && chown eyrie:eyrie /app /data /cache /hf-cache
-# torch.compile builds C at run time: Triton compiles its CUDA launcher with the host's C
-# compiler (the draft's forward under flex attention, compiled on CUDA) and inductor's CPU
-# kernels need g++ (train.fused_loss); both build against Python's headers. Without them
-# training stops with "Failed to find C compiler" on a GPU node (pytorch/pytorch#116696),
-# and the loss runs eager on CPU. The official python image ships the headers; Debian's
-# python3 needs python3-dev.
-RUN headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))') \
- && apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      gcc=4:12.* g++=4:12.* libc6-dev=2.36-* \
- && if [ "$headers" = False ]; then \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-dev=3.11.*; \
-    fi \
- && rm -rf /var/lib/apt/lists/*
+COPY images/compiler.sh /opt/eyrie/compiler.sh
+RUN sh /opt/eyrie/compiler.sh install
 WORKDIR /app
 COPY --from=deps /opt/eyrie/ca-bundle.crt /opt/eyrie/constraints.txt /opt/eyrie/
 COPY --from=deps /opt/venv /opt/venv
@@ -85,9 +73,7 @@ RUN pip install --no-cache-dir --no-deps -c /opt/eyrie/constraints.txt . \
  && eyrie --help > /dev/null \
  && python -P -c "import shared.mtbench as m; assert '/site-packages/' in m.__file__, m.__file__; assert len(m.mtbench_questions()) == 80"
 
-# A compiled kernel must build here, or the trainer would find out on its first step.
-RUN python -c "import torch; f = torch.compile(lambda x: (x * 2).sum()); assert f(torch.ones(3)).item() == 6" \
- && rm -rf /tmp/torchinductor_*
+RUN sh /opt/eyrie/compiler.sh check
 
 USER 10001:10001
 CMD ["eyrie", "--help"]

@@ -58,6 +58,8 @@ RUN apt-get update \
  && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin eyrie \
  && mkdir -p /data /cache /hf-cache /opt/eyrie/src \
  && chown eyrie:eyrie /data /cache /hf-cache
+COPY images/compiler.sh /opt/eyrie/compiler.sh
+RUN sh /opt/eyrie/compiler.sh install
 COPY --from=deps /opt/eyrie/ca-bundle.crt /opt/eyrie/
 COPY --from=deps /opt/venv /opt/venv
 COPY images/vllm-serve.py /opt/eyrie/vllm-serve.py
@@ -65,6 +67,7 @@ COPY shared /opt/eyrie/src/shared
 COPY services /opt/eyrie/src/services
 COPY recipes /opt/eyrie/src/recipes
 RUN python -c "import ctypes; ctypes.CDLL('libnuma.so.1')" \
+ && sh /opt/eyrie/compiler.sh check \
  && EYRIE_RECIPE=recipes/llama-3.1-8b.yaml python /opt/eyrie/vllm-serve.py --print > /dev/null
 
 USER 10001:10001

@@ -158,13 +158,19 @@ def test_cpu_image_has_no_cuda_and_gpu_image_has_speculators_without_deps():
     assert "--no-deps speculators==0.9.0 hs-connectors==0.9.0" in gpu
 
 
-def test_gpu_image_can_build_torch_compile_kernels():
-    """Triton (CUDA) and inductor (CPU) compile C at run time; the image's last stage must
-    install a compiler and prove it at build time (pytorch/pytorch#116696)."""
-    final = (ROOT / GPU_DOCKERFILE).read_text().rsplit("\nFROM ", 1)[1]
-    assert re.search(r"apt-get install [^&]*\bgcc=.*\bg\+\+=.*\blibc6-dev=", final, re.S)
-    assert "python3-dev" in final  # Debian's python3 has no headers without it
-    assert "torch.compile(" in final.split("USER ")[0]
+@pytest.mark.parametrize("dockerfile", [GPU_DOCKERFILE, VLLM_CPU_DOCKERFILE])
+def test_compiling_images_carry_a_compiler_and_prove_it_at_build(dockerfile):
+    """Triton (CUDA) and inductor (CPU) compile C at run time (pytorch/pytorch#116696): the
+    trainer's and vLLM's images install images/compiler.sh's toolchain in their last stage
+    and compile one kernel there before dropping root."""
+    final = (ROOT / dockerfile).read_text().rsplit("\nFROM ", 1)[1]
+    as_root = final.split("\nUSER ")[0]
+    steps = ("compiler.sh install", "COPY --from=deps /opt/venv", "compiler.sh check")
+    order = [as_root.index(s) for s in steps]
+    assert order == sorted(order)
+    script = (ROOT / "images" / "compiler.sh").read_text()
+    assert re.search(r'pkgs="gcc=[^"]* g\+\+=[^"]* libc6-dev=[^"]*"', script)
+    assert "python3-dev=" in script  # Debian's python3 has no headers without it
 
 
 def test_vllm_cpu_image_is_the_setup_toolchain():
