@@ -223,8 +223,10 @@ def per_step_teacher() -> Any:
     from services.train import loss
 
     class PerStep(loss.Teacher):
-        def __init__(self, th: Any, tw: Any, matmul_dtype: Any, cached: Any = None) -> None:
-            super().__init__(th, tw, matmul_dtype, None)
+        def __init__(
+            self, th: Any, tw: Any, matmul_dtype: Any, cached: Any = None, fused: bool = False
+        ) -> None:
+            super().__init__(th, tw, matmul_dtype, None, fused)
 
     return PerStep
 
@@ -293,11 +295,10 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
         print(f"[512, 576] @ [576, 1536] in {dtype}: {time.perf_counter() - t0:.3f} s")
     for size in args.lengths:
         step, n = [], 0
-        for s in samples:
-            if n + len(s.input_ids) > size:
-                break
-            step.append(s)
-            n += len(s.input_ids)
+        for s in samples:  # whole samples that fit, in order, skipping longer ones
+            if n + len(s.input_ids) <= size:
+                step.append(s)
+                n += len(s.input_ids)
         batch = trainer.to_device(collate(step, size))
         denoms = step_denominators(batch["loss_mask"], recipe.train.ttt_steps)
         fwd = bwd = 0.0
