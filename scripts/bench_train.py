@@ -267,6 +267,18 @@ def stage_main(args: argparse.Namespace, root: Path) -> None:
     print(f"speedup old / new wall time: {wall['old'] / wall['new']:.2f}x (goal >= 2)")
 
 
+def samples_within(samples: list[Any], size: int) -> list[Any]:
+    """The whole samples, in order, whose lengths (`len(s.input_ids)`) sum to at most `size`;
+    a sample that would overflow is skipped, not cut, so a long first sample cannot leave the
+    step empty while shorter ones fit."""
+    step, n = [], 0
+    for s in samples:
+        if n + len(s.input_ids) <= size:
+            step.append(s)
+            n += len(s.input_ids)
+    return step
+
+
 def profile_main(args: argparse.Namespace, root: Path) -> None:
     """`--profile`: forward/backward seconds and attention share of one packed step per T."""
     import torch
@@ -294,11 +306,8 @@ def profile_main(args: argparse.Namespace, root: Path) -> None:
         a @ b
         print(f"[512, 576] @ [576, 1536] in {dtype}: {time.perf_counter() - t0:.3f} s")
     for size in args.lengths:
-        step, n = [], 0
-        for s in samples:  # whole samples that fit, in order, skipping longer ones
-            if n + len(s.input_ids) <= size:
-                step.append(s)
-                n += len(s.input_ids)
+        step = samples_within(samples, size)
+        n = sum(len(s.input_ids) for s in step)
         batch = trainer.to_device(collate(step, size))
         denoms = step_denominators(batch["loss_mask"], recipe.train.ttt_steps)
         fwd = bwd = 0.0

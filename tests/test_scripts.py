@@ -109,3 +109,32 @@ def test_check_served_tau_compare_counts_exact_and_cut_requests_and_three_taus()
     assert c["served"] == (8, 10, pytest.approx(1 + 10 / 8))
     assert c["replayed"] == (8, 3, pytest.approx(1 + 3 / 8))
     assert c["offline_tau"] == pytest.approx(1 + 7 / 10)
+
+
+def test_bench_train_profile_step_and_per_step_teacher():
+    """`bench_train --profile`: a step keeps whole samples that fit (skipping, not cutting, a
+    longer one), and its per-step teacher takes the arguments `ttt_loss` passes `Teacher`
+    (positionally, `fused` included), caches nothing, and reads what `Teacher` computes."""
+    import torch
+
+    from scripts.bench_train import per_step_teacher, samples_within
+    from services.train.loss import Teacher
+
+    class S:
+        def __init__(self, n: int) -> None:
+            self.input_ids = [0] * n
+
+    picked = samples_within([S(700), S(300), S(150), S(100), S(60)], 512)
+    assert [len(s.input_ids) for s in picked] == [300, 150, 60]
+    assert samples_within([S(600)], 512) == []
+
+    g = torch.Generator().manual_seed(5)
+    th = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    tw = torch.randn(20, 8, generator=g, dtype=torch.float64)
+    per_step = per_step_teacher()(th, tw, torch.float64, torch.tensor([1, 4]), False)
+    assert per_step.slot is None  # no cache: recomputed for every read
+    pos = torch.tensor([4, 1, 5])
+    for got, want in zip(per_step.at(pos), Teacher(th, tw, torch.float64).at(pos), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    logp = torch.log_softmax(th[5] @ tw.T, dim=-1)
+    assert int(per_step.at(torch.tensor([5]))[2][0]) == int(logp.argmax())
