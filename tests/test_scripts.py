@@ -138,3 +138,33 @@ def test_bench_train_profile_step_and_per_step_teacher():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     logp = torch.log_softmax(th[5] @ tw.T, dim=-1)
     assert int(per_step.at(torch.tensor([5]))[2][0]) == int(logp.argmax())
+
+
+@pytest.mark.slow
+def test_bench_train_profile_and_bench_quality_run_end_to_end_at_toy_size(tmp_path):
+    """The benchmarks' heavy modes run through at toy sizes: `bench_train --profile` prints a
+    step of whole samples within its length, and `bench_quality` trains both sides (its
+    patches to speculators' `Trainer` still apply) and scores them. Nothing else runs these
+    paths, and each broke unseen once when the code under them changed."""
+    import re
+
+    args = "--profile --samples 8 --max-len 128 --lengths 256 --micro 128 --pairs 1".split()
+    bt = [sys.executable, str(SCRIPTS / "bench_train.py"), "--data", str(tmp_path / "bt")]
+    r = _help(bt + args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"^T +(\d+) \( ?(\d+) samples\): .* (\d+) tok/s, attention", r.stdout, re.M)
+    assert m, r.stdout[-2000:]
+    assert 0 < int(m[1]) <= 256 and int(m[2]) >= 1 and int(m[3]) > 0
+
+    args = (
+        "--samples 24 --max-len 128 --budget-s 6 --chunk-steps 2 --epochs 1 --val-fraction 0.3"
+        " --precision fp32 --tokens-per-step 512"
+    ).split()
+    bq = [sys.executable, str(SCRIPTS / "bench_quality.py"), "--data", str(tmp_path / "bq")]
+    r = _help(bq + args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = re.findall(r"^(eyrie|reference): +tau ([\d.]+) +\((\d+) steps", r.stdout, re.M)
+    assert sorted(name for name, _, _ in found) == ["eyrie", "reference"], r.stdout[-2000:]
+    for _, tau, steps in found:
+        assert 1.0 <= float(tau) <= 4.0 and int(steps) >= 1  # tau at k = 3 lies in [1, 4]
+    assert re.search(r"^ratio eyrie / reference: [\d.]+", r.stdout, re.M)
