@@ -186,7 +186,9 @@ def stage_run(recipe: Any, store: Any, train_samples: int | None) -> dict[str, A
     wall = time.perf_counter() - t0
     steps = [r for r in trainer.log.read() if r.get("kind") == "step"]
     tokens = sum(r["tokens"] for r in steps)
-    last = result.state.validations[-1]
+    last = result.state.validations[-1] if result.state.validations else {}
+    if "tau" not in last:
+        raise SystemExit("no held-out samples to validate on: raise --samples")
     return {
         "wall_s": wall,
         "step_s": clock.s["train_step"],
