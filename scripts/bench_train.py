@@ -270,15 +270,15 @@ def stage_main(args: argparse.Namespace, root: Path) -> None:
 
 
 def samples_within(samples: list[Any], size: int) -> list[Any]:
-    """The whole samples, in order, whose lengths (`len(s.input_ids)`) sum to at most `size`;
-    a sample that would overflow is skipped, not cut, so a long first sample cannot leave the
-    step empty while shorter ones fit."""
-    step, n = [], 0
-    for s in samples:
-        if n + len(s.input_ids) <= size:
-            step.append(s)
-            n += len(s.input_ids)
-    return step
+    """One step as the trainer packs it (`services.train.packing.greedy_groups`): the first
+    group of consecutive whole samples whose lengths (`len(s.input_ids)`) sum to at most
+    `size`, taken from the samples no longer than `size` (a longer one would be cut, and
+    one first in line would otherwise leave no step to profile); [] when none fits."""
+    from services.train.packing import greedy_groups
+
+    fit = [s for s in samples if len(s.input_ids) <= size]
+    groups = greedy_groups([len(s.input_ids) for s in fit], size)
+    return [fit[i] for i in groups[0]] if groups else []
 
 
 def profile_main(args: argparse.Namespace, root: Path) -> None:

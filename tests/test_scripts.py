@@ -112,9 +112,10 @@ def test_check_served_tau_compare_counts_exact_and_cut_requests_and_three_taus()
 
 
 def test_bench_train_profile_step_and_per_step_teacher():
-    """`bench_train --profile`: a step keeps whole samples that fit (skipping, not cutting, a
-    longer one), and its per-step teacher takes the arguments `ttt_loss` passes `Teacher`
-    (positionally, `fused` included), caches nothing, and reads what `Teacher` computes."""
+    """`bench_train --profile`: a step is the trainer's first packed group of whole samples
+    that fit (a longer one skipped, not cut), and its per-step teacher takes the arguments
+    `ttt_loss` passes `Teacher` (positionally, `fused` included), caches nothing, and reads
+    what `Teacher` computes."""
     import torch
 
     from scripts.bench_train import per_step_teacher, samples_within
@@ -125,7 +126,9 @@ def test_bench_train_profile_step_and_per_step_teacher():
             self.input_ids = [0] * n
 
     picked = samples_within([S(700), S(300), S(150), S(100), S(60)], 512)
-    assert [len(s.input_ids) for s in picked] == [300, 150, 60]
+    assert [len(s.input_ids) for s in picked] == [300, 150]  # 300 + 150 + 100 > 512
+    picked = samples_within([S(200), S(312), S(1)], 512)
+    assert [len(s.input_ids) for s in picked] == [200, 312]
     assert samples_within([S(600)], 512) == []
 
     g = torch.Generator().manual_seed(5)
