@@ -38,6 +38,8 @@ stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` to
 - `--fused-loss`: the same, both sides with `keep_freed_memory`, with the loss's element-wise
   kernels eager (`train.fused_loss=false`) and compiled (`true`; `services.train.loss.
   loss_kernels`); the first step, untimed, includes the compile.
+- `--ttt-rows`: the same, with the TTT forward on every row (speculators' own forward) and
+  on the rows the loss can read (`services.train.ttt.ttt_rows`, as shipped).
 
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
@@ -46,6 +48,7 @@ Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
        .venv/bin/python scripts/bench_train.py --allocator [--pairs 3] [--steps 30]
        .venv/bin/python scripts/bench_train.py --fused-loss [--pairs 3] [--steps 30]
+       .venv/bin/python scripts/bench_train.py --ttt-rows [--pairs 3] [--steps 30]
        (`--data DIR` keeps the extracted data between invocations)
 """
 
@@ -396,17 +399,30 @@ def eyrie_step_s(trainer, bar) -> float:
     return time.perf_counter() - t0
 
 
-#: `--allocator` and `--fused-loss`: per side, (keep_freed_memory, extra recipe overrides).
-PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str]]]] = {
+#: `--allocator`, `--fused-loss` and `--ttt-rows`: per side, (keep_freed_memory, extra
+#: recipe overrides, whether the TTT forward runs every row: speculators' own forward).
+PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str], bool]]] = {
     "allocator": {
-        "glibc defaults": (False, []),
-        "keep_freed_memory": (True, []),
+        "glibc defaults": (False, [], False),
+        "keep_freed_memory": (True, [], False),
     },
     "fused-loss": {
-        "eager loss": (True, ["train.fused_loss=false"]),
-        "fused loss": (True, ["train.fused_loss=true"]),
+        "eager loss": (True, ["train.fused_loss=false"], False),
+        "fused loss": (True, ["train.fused_loss=true"], False),
+    },
+    "ttt-rows": {
+        "every row": (True, [], True),
+        "loss's rows": (True, [], False),
     },
 }
+
+
+def forward_every_row() -> None:
+    """Run speculators' own TTT forward on every row (`services.train.ttt.ttt_states`'
+    other path), as the loss did before `ttt_rows`: the old side of `--ttt-rows`."""
+    from services.train import ttt
+
+    ttt.skips_rows = lambda model: False
 
 
 def process_child(args: argparse.Namespace, root: Path) -> None:
@@ -415,7 +431,9 @@ def process_child(args: argparse.Namespace, root: Path) -> None:
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    keep, overrides = PROCESS_SIDES[args.compare][args.side]
+    keep, overrides, every_row = PROCESS_SIDES[args.compare][args.side]
+    if every_row:
+        forward_every_row()
     if keep and not keep_freed_memory():
         sys.exit("keep_freed_memory: mallopt refused (not glibc?)")
     store = demo_inputs(args, root)
@@ -434,7 +452,7 @@ def process_child(args: argparse.Namespace, root: Path) -> None:
 
 
 def process_main(args: argparse.Namespace, root: Path) -> None:
-    """`--allocator` / `--fused-loss`: two process-wide settings in alternating processes."""
+    """`--allocator` / `--fused-loss` / `--ttt-rows`: two settings in alternating processes."""
     import statistics
     import subprocess
 
@@ -482,11 +500,17 @@ def main() -> None:
     ap.add_argument("--new", nargs="*", default=NEW, help="recipe overrides of the new run")
     ap.add_argument("--allocator", action="store_true", help="glibc defaults vs kept memory")
     ap.add_argument("--fused-loss", action="store_true", help="eager vs compiled loss kernels")
+    ap.add_argument("--ttt-rows", action="store_true", help="TTT forward: every row vs ttt_rows")
     ap.add_argument("--compare", choices=list(PROCESS_SIDES), help=argparse.SUPPRESS)
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per process")
     args = ap.parse_args()
-    if args.profile or args.stage or args.allocator or args.fused_loss or args.side:
+    compare = {
+        "allocator": args.allocator,
+        "fused-loss": args.fused_loss,
+        "ttt-rows": args.ttt_rows,
+    }
+    if args.profile or args.stage or any(compare.values()) or args.side:
         if args.samples == 32:
             args.samples = 128
         if args.max_len == 160:
@@ -495,8 +519,8 @@ def main() -> None:
             process_child(args, args.data)
             return
         mode = profile_main if args.profile else stage_main
-        if args.allocator or args.fused_loss:
-            args.compare = "allocator" if args.allocator else "fused-loss"
+        if any(compare.values()):
+            args.compare = next(k for k, on in compare.items() if on)
             mode = process_main
         with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
             mode(args, args.data or Path(tmp))

@@ -146,9 +146,10 @@ def test_bench_train_profile_step_and_per_step_teacher():
 @pytest.mark.slow
 def test_bench_train_profile_and_bench_quality_run_end_to_end_at_toy_size(tmp_path):
     """The benchmarks' heavy modes run through at toy sizes: `bench_train --profile` prints a
-    step of whole samples within its length, and `bench_quality` trains both sides (its
-    patches to speculators' `Trainer` still apply) and scores them. Nothing else runs these
-    paths, and each broke unseen once when the code under them changed."""
+    step of whole samples within its length, `--ttt-rows` times both TTT forwards, and
+    `bench_quality` trains both sides (its patches to speculators' `Trainer` still apply)
+    and scores them. Nothing else runs these paths, and each broke unseen once when the code
+    under them changed."""
     import re
 
     args = "--profile --samples 8 --max-len 128 --lengths 256 --micro 128 --pairs 1".split()
@@ -158,6 +159,13 @@ def test_bench_train_profile_and_bench_quality_run_end_to_end_at_toy_size(tmp_pa
     m = re.search(r"^T +(\d+) \( ?(\d+) samples\): .* (\d+) tok/s, attention", r.stdout, re.M)
     assert m, r.stdout[-2000:]
     assert 0 < int(m[1]) <= 256 and int(m[2]) >= 1 and int(m[3]) > 0
+    # --ttt-rows's old side patches `services.train.ttt` (a renamed hook would fail here).
+    args = "--ttt-rows --samples 8 --max-len 128 --pairs 1 --steps 1 --epochs 4".split()
+    r = _help(bt + args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(
+        r"^pair 1: every row +[\d.]+ tok/s .* loss's rows +[\d.]+ tok/s", r.stdout, re.M
+    ), r.stdout[-2000:]
 
     args = (
         "--samples 24 --max-len 128 --budget-s 6 --chunk-steps 2 --epochs 1 --val-fraction 0.3"

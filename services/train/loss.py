@@ -6,13 +6,13 @@ restricted to the draft vocab, per TTT step j weighted by `decay**j` and normali
 step's trainable positions), computed so that at most one chunk of `chunk_tokens` positions
 of fp32 logits over the draft vocab exists at any time.
 
-Method. speculators' forward is run without the teacher states (so it computes no loss) and
-with its `lm_head` swapped for a module that only records its input, the normed draft state
-`[1, T, H]` of each TTT step. The loss of step j is then `_ChunkedKL`: for each chunk of
+Method. The draft's TTT forward (`services.train.ttt.ttt_states`, speculators' forward on
+the rows the loss can read) gives the normed draft state `[r_j, H]` of each TTT step j, the
+lm_head's input. The loss of step j is then `_ChunkedKL`: for each chunk of
 positions it computes the draft logits `h @ W.T` and the teacher logits
 `verifier_lm_head(verifier_norm(final))`, the KL, and, when gradients are wanted, the
 gradients with respect to `h` and `W` right away (d KL / d logits = softmax(logits) - p), then
-frees the chunk. Autograd keeps only `[T, H]` per step and one `[Vd, H]` weight gradient,
+frees the chunk. Autograd keeps only `[r_j, H]` per step and one `[Vd, H]` weight gradient,
 instead of speculators' `[T, Vd]` fp32 log-softmax and softmax per step until backward.
 The teacher side (`Teacher`: softmax, negative entropy, argmax) is the same for every TTT
 step, shifted, so when a micro-batch's teacher positions fit in one chunk it is computed once
@@ -34,8 +34,7 @@ losses (and gradients) sum to the unsplit step's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -375,39 +374,6 @@ def teacher_positions(mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
     return torch.nonzero(need).squeeze(1)
 
 
-class _CaptureHead:
-    """Stands in for the draft's lm_head: records its input, returns `[..., 1]` zeros."""
-
-    def __init__(self) -> None:
-        self.inputs: list[torch.Tensor] = []
-
-    def module(self) -> Any:
-        import torch
-
-        capture = self
-
-        class Capture(torch.nn.Module):
-            # speculators compiles the draft's forward on CUDA; traced, this append would
-            # guard on the list's length and recompile at every TTT step.
-            @torch.compiler.disable
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                capture.inputs.append(x)
-                return x.new_zeros(*x.shape[:-1], 1)
-
-        return Capture()
-
-
-@contextmanager
-def _captured_head(draft: Any) -> Iterator[_CaptureHead]:
-    head = draft.lm_head
-    cap = _CaptureHead()
-    draft.lm_head = cap.module()
-    try:
-        yield cap
-    finally:
-        draft.lm_head = head
-
-
 def scored_rows(mask: torch.Tensor, prev_correct: torch.Tensor) -> torch.Tensor:
     """Positions of one TTT step whose draft logits change the loss or a metric.
 
@@ -459,6 +425,7 @@ def ttt_loss(
     import torch
 
     from services.train.runtime import unwrap
+    from services.train.ttt import ttt_states
 
     draft: Any = unwrap(model)
     mask = batch["loss_mask"]
@@ -466,11 +433,8 @@ def ttt_loss(
     device_type = batch["hidden_states"].device.type
     # Without the teacher states speculators computes no loss (and no [T, Vd] targets).
     inputs = {k: v for k, v in batch.items() if k not in TEACHER_KEYS}
-    with (
-        torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast_dtype == "bf16"),
-        _captured_head(draft) as cap,
-    ):
-        model(**inputs, ttt_steps=ttt_steps)
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast_dtype == "bf16"):
+        state_rows, states = ttt_states(model, inputs, mask, ttt_steps)
     mm_dtype = torch.bfloat16 if autocast_dtype == "bf16" else None
     with torch.no_grad():
         final = batch["verifier_last_hidden_states"][0]
@@ -483,19 +447,22 @@ def ttt_loss(
     if cached is not None and len(cached) > chunk_tokens:
         cached = None
     with torch.no_grad():
-        teacher = Teacher(teacher_h, tw, mm_dtype or cap.inputs[0].dtype, cached, fused)
+        teacher = Teacher(teacher_h, tw, mm_dtype or states[0].dtype, cached, fused)
     prev_correct = mask[0].clone()
     loss: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     for j in range(ttt_steps):
-        h = cap.inputs[j][0, : n - j]
         m = mask[0, j:]
         prev = prev_correct[: n - j]
         rows = scored_rows(m, prev)
+        at = torch.searchsorted(state_rows[j], rows).clamp_(max=len(state_rows[j]) - 1)
+        if not torch.equal(state_rows[j][at], rows):
+            raise RuntimeError(f"TTT step {j} scores a position its forward skipped (ttt_rows)")
+        h = states[j][at]
         wdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
         weight = m[rows].to(wdtype) * (decay**j / denoms[j])
         s_loss, pred_r, teach_r = chunked_kl(
-            h[rows], w, teacher, rows + j, weight, chunk_tokens, mm_dtype or h.dtype
+            h, w, teacher, rows + j, weight, chunk_tokens, mm_dtype or h.dtype
         )
         # Rows left out have `prev` False, so their (never equal) placeholders change no
         # metric.

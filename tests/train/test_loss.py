@@ -10,11 +10,15 @@ in fp64 (`F.kl_div` of the fp64 log-softmax and softmax over the whole vocab).
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from tests.train.conftest import train_recipe
+
+if TYPE_CHECKING:
+    import torch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,14 +71,36 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _chat_mask(n: int) -> torch.Tensor:
+    """Chat-shaped loss mask of the fixture's two documents (40 + 30 positions): a prompt
+    span (mask off), then an answer span (on), so `ttt_rows` leaves whole spans out."""
+    import torch
+
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, 12:33] = True  # document 0: prompt 0-11, answer 12-32, prompt of a 2nd turn
+    mask[0, 55:68] = True  # document 1 (40-69): prompt 40-54, answer 55-67
+    return mask
+
+
+@pytest.mark.parametrize("mask_kind", ["scattered", "chat", "prompt only"])
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
-def test_chunked_loss_and_gradients_equal_speculators_fp64(draft_and_batch, fused):
-    """Eager and compiled (`loss_kernels`) element-wise kernels alike."""
+def test_chunked_loss_and_gradients_equal_speculators_fp64(draft_and_batch, fused, mask_kind):
+    """Eager and compiled (`loss_kernels`) element-wise kernels alike; a scattered loss mask
+    (the forward computes nearly every row) and a chat-shaped one (it skips prompt spans)."""
     import torch
 
     from services.train.loss import loss_kernels, teacher_positions, ttt_loss
+    from services.train.ttt import ttt_rows
 
     model, batch = draft_and_batch
+    if mask_kind == "prompt only":  # a micro-batch of prompts: steps >= 1 run on no row
+        batch = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    if mask_kind == "chat":
+        batch = {**batch, "loss_mask": _chat_mask(batch["loss_mask"].shape[1])}
+        rows = ttt_rows(batch["loss_mask"][0], TTT)
+        # By hand: t in 10..32 and 53..67 (an answer within 2 positions), of 69 and 68.
+        want = [*range(10, 33), *range(53, 68)]
+        assert rows[1].tolist() == want and rows[2].tolist() == want
     if fused:  # built here, not fallen back to eager (CI's machine has a C++ compiler)
         assert loss_kernels(True) is not loss_kernels(False)
     ref_model = copy.deepcopy(model)
@@ -89,7 +115,7 @@ def test_chunked_loss_and_gradients_equal_speculators_fp64(draft_and_batch, fuse
     assert ref_grads  # trainable weights got gradients
 
     need = len(teacher_positions(batch["loss_mask"][0], TTT))
-    assert 64 < need < 1000
+    assert need < 1000
     # 7 and 64 split every step's positions and recompute the teacher per chunk; 1000 does
     # not, and computes the teacher once for all steps (`Teacher`'s cache).
     for chunk in (7, 64, 1000):
@@ -186,6 +212,52 @@ def test_teacher_positions_cover_every_step_shift():
     assert teacher_positions(mask, 2).tolist() == [1, 2, 5, 6, 7]
     assert teacher_positions(mask, 3).tolist() == [1, 2, 3, 5, 6, 7, 8]
     assert teacher_positions(torch.zeros(4, dtype=torch.bool), 3).tolist() == []
+
+
+def test_ttt_rows_keep_every_position_a_later_step_may_score():
+    """Worked by hand: step j keeps t < n - j with mask[t] or mask[t + j'], j <= j' < ttt."""
+    import torch
+
+    from services.train.ttt import ttt_rows
+
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 0], dtype=torch.bool)
+    rows = [r.tolist() for r in ttt_rows(mask, 3)]
+    assert rows == [list(range(9)), [0, 1, 2, 3, 5, 6, 7], [0, 1, 2, 3, 5]]
+    assert [r.tolist() for r in ttt_rows(mask, 2)] == [list(range(9)), [1, 2, 3, 6, 7]]
+    assert [r.tolist() for r in ttt_rows(mask, 1)] == [list(range(9))]
+    assert ttt_rows(torch.zeros(3, dtype=torch.bool), 3)[2].tolist() == []
+
+
+def test_row_forward_equals_speculators_forward_at_the_rows(draft_and_batch):
+    """`ttt_states` on the dense path (rows skipped) against speculators' own forward with
+    the lm_head's input recorded (the path a DDP wrapper takes), TTT 3, chat-shaped mask."""
+    import torch
+
+    from services.train.ttt import ttt_states
+
+    model, batch = draft_and_batch
+    mask = _chat_mask(batch["loss_mask"].shape[1])
+    inputs = {
+        k: v for k, v in batch.items() if k not in ("loss_mask", "verifier_last_hidden_states")
+    }
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    with torch.no_grad():
+        rows, states = ttt_states(model, inputs, mask, TTT)
+        all_rows, ref = ttt_states(Wrapper(model), inputs, mask, TTT)
+    n = mask.shape[1]
+    assert [len(r) for r in all_rows] == [n - j for j in range(TTT)]
+    assert len(rows[1]) < n - 1
+    for j in range(TTT):
+        assert states[j].shape == (len(rows[j]), 576)
+        torch.testing.assert_close(states[j], ref[j][rows[j]], rtol=1e-12, atol=1e-12)
 
 
 def test_cached_teacher_reads_what_it_computes_and_refuses_other_positions():
