@@ -38,8 +38,10 @@ stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` to
 - `--fused-loss`: the same, both sides with `keep_freed_memory`, with the loss's element-wise
   kernels eager (`train.fused_loss=false`) and compiled (`true`; `services.train.loss.
   loss_kernels`); the first step, untimed, includes the compile.
-- `--ttt-rows`: the same, with the TTT forward on every row (speculators' own forward) and
-  on the rows the loss can read (`services.train.ttt.ttt_rows`, as shipped).
+- `--ttt-rows`: `--steps` training steps a side at the demo's settings with the TTT forward
+  on every row (speculators' own forward) and on the rows the loss can read
+  (`services.train.ttt.ttt_rows`, as shipped), alternating step by step in one process;
+  prints tokens/s of each, their ratio and the share of rows the last TTT step runs on.
 
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
@@ -48,7 +50,7 @@ Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
        .venv/bin/python scripts/bench_train.py --allocator [--pairs 3] [--steps 30]
        .venv/bin/python scripts/bench_train.py --fused-loss [--pairs 3] [--steps 30]
-       .venv/bin/python scripts/bench_train.py --ttt-rows [--pairs 3] [--steps 30]
+       .venv/bin/python scripts/bench_train.py --ttt-rows [--steps 30]
        (`--data DIR` keeps the extracted data between invocations)
 """
 
@@ -399,30 +401,57 @@ def eyrie_step_s(trainer, bar) -> float:
     return time.perf_counter() - t0
 
 
-#: `--allocator`, `--fused-loss` and `--ttt-rows`: per side, (keep_freed_memory, extra
-#: recipe overrides, whether the TTT forward runs every row: speculators' own forward).
-PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str], bool]]] = {
+#: `--allocator` and `--fused-loss`: per side, (keep_freed_memory, extra recipe overrides).
+PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str]]]] = {
     "allocator": {
-        "glibc defaults": (False, [], False),
-        "keep_freed_memory": (True, [], False),
+        "glibc defaults": (False, []),
+        "keep_freed_memory": (True, []),
     },
     "fused-loss": {
-        "eager loss": (True, ["train.fused_loss=false"], False),
-        "fused loss": (True, ["train.fused_loss=true"], False),
-    },
-    "ttt-rows": {
-        "every row": (True, [], True),
-        "loss's rows": (True, [], False),
+        "eager loss": (True, ["train.fused_loss=false"]),
+        "fused loss": (True, ["train.fused_loss=true"]),
     },
 }
 
 
-def forward_every_row() -> None:
-    """Run speculators' own TTT forward on every row (`services.train.ttt.ttt_states`'
-    other path), as the loss did before `ttt_rows`: the old side of `--ttt-rows`."""
+def ttt_rows_main(args: argparse.Namespace, root: Path) -> None:
+    """`--ttt-rows`: the demo's training steps with the TTT forward on every row
+    (speculators' own forward, `services.train.ttt.ttt_states`' other path) and on the rows
+    the loss can read (`ttt_rows`, as shipped), alternating step by step in one process."""
     from services.train import ttt
+    from services.train.runtime import keep_freed_memory
+    from services.train.samples import index_samples
+    from services.train.trainer import Trainer
 
-    ttt.skips_rows = lambda model: False
+    keep_freed_memory()  # as the train stage runs
+    store = demo_inputs(args, root)
+    trainer = Trainer(demo_recipe(args, args.new), store, index_samples(store))
+    steps = [idx for plan in trainer.plans for idx in plan]
+    if len(steps) < 2 * args.steps + 2:
+        sys.exit(f"{len(steps)} steps: raise --epochs or --samples for 2 x --steps + 2")
+    refs = trainer.train_refs
+    shipped = ttt.skips_rows
+    sides = {"every row": lambda model: False, "loss's rows": shipped}
+    spent, tokens = dict.fromkeys(sides, 0.0), dict.fromkeys(sides, 0)
+    try:
+        for i in range(args.steps + 1):  # the first pair is a warm-up (allocations, compiles)
+            for k, (name, rule) in enumerate(sides.items()):
+                ttt.skips_rows = rule
+                t0 = time.perf_counter()
+                done = trainer.train_step([refs[j] for j in steps[2 * i + k]])["tokens"]
+                if i:
+                    spent[name] += time.perf_counter() - t0
+                    tokens[name] += done
+    finally:
+        ttt.skips_rows = shipped
+    old, new = (tokens[name] / spent[name] for name in sides)
+    rows = [ttt.ttt_rows(trainer.read(r).loss_mask, trainer.cfg.ttt_steps) for r in refs]
+    kept = sum(len(r[-1]) for r in rows) / max(sum(len(r[0]) for r in rows), 1)
+    print(
+        f"{args.steps} steps a side: every row {old:7.1f} tok/s, loss's rows {new:7.1f} "
+        f"tok/s, ratio {new / old:.3f} (the last TTT step runs on {kept:.0%} of the rows)",
+        flush=True,
+    )
 
 
 def process_child(args: argparse.Namespace, root: Path) -> None:
@@ -431,9 +460,7 @@ def process_child(args: argparse.Namespace, root: Path) -> None:
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    keep, overrides, every_row = PROCESS_SIDES[args.compare][args.side]
-    if every_row:
-        forward_every_row()
+    keep, overrides = PROCESS_SIDES[args.compare][args.side]
     if keep and not keep_freed_memory():
         sys.exit("keep_freed_memory: mallopt refused (not glibc?)")
     store = demo_inputs(args, root)
@@ -452,7 +479,7 @@ def process_child(args: argparse.Namespace, root: Path) -> None:
 
 
 def process_main(args: argparse.Namespace, root: Path) -> None:
-    """`--allocator` / `--fused-loss` / `--ttt-rows`: two settings in alternating processes."""
+    """`--allocator` / `--fused-loss`: two process-wide settings in alternating processes."""
     import statistics
     import subprocess
 
@@ -503,14 +530,10 @@ def main() -> None:
     ap.add_argument("--ttt-rows", action="store_true", help="TTT forward: every row vs ttt_rows")
     ap.add_argument("--compare", choices=list(PROCESS_SIDES), help=argparse.SUPPRESS)
     ap.add_argument("--side", help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per process")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per process or side")
     args = ap.parse_args()
-    compare = {
-        "allocator": args.allocator,
-        "fused-loss": args.fused_loss,
-        "ttt-rows": args.ttt_rows,
-    }
-    if args.profile or args.stage or any(compare.values()) or args.side:
+    compare = {"allocator": args.allocator, "fused-loss": args.fused_loss}
+    if args.profile or args.stage or any(compare.values()) or args.ttt_rows or args.side:
         if args.samples == 32:
             args.samples = 128
         if args.max_len == 160:
@@ -518,7 +541,7 @@ def main() -> None:
         if args.side:
             process_child(args, args.data)
             return
-        mode = profile_main if args.profile else stage_main
+        mode = profile_main if args.profile else ttt_rows_main if args.ttt_rows else stage_main
         if any(compare.values()):
             args.compare = next(k for k, on in compare.items() if on)
             mode = process_main
