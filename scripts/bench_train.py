@@ -38,10 +38,13 @@ stages (regen off: no vLLM here, so the dataset's answers, cut to `--max-len` to
 - `--fused-loss`: the same, both sides with `keep_freed_memory`, with the loss's element-wise
   kernels eager (`train.fused_loss=false`) and compiled (`true`; `services.train.loss.
   loss_kernels`); the first step, untimed, includes the compile.
+- `--row-multiple`: the same, with the packed micro-batches and the TTT steps' rows as
+  they come and rounded up to 64 (`services.train.runtime.CPU_ROW_MULTIPLE`, as shipped).
 - `--ttt-rows`: `--steps` training steps a side at the demo's settings with the TTT forward
   on every row (speculators' own forward) and on the rows the loss can read
-  (`services.train.ttt.ttt_rows`, as shipped), alternating step by step in one process;
-  prints tokens/s of each, their ratio and the share of rows the last TTT step runs on.
+  (`services.train.ttt.ttt_rows`, as shipped), in one process: each step twice in a row,
+  the side going first alternating; prints tokens/s of each, their ratio and the share of
+  rows the last TTT step runs on.
 
 Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--tokens-per-step 384] [--precision bf16]
@@ -50,6 +53,7 @@ Usage: .venv/bin/python scripts/bench_train.py [--samples 32] [--rounds 2]
        [--train-samples 20] [--old train.precision=bf16 ...] [--new ...]
        .venv/bin/python scripts/bench_train.py --allocator [--pairs 3] [--steps 30]
        .venv/bin/python scripts/bench_train.py --fused-loss [--pairs 3] [--steps 30]
+       .venv/bin/python scripts/bench_train.py --row-multiple [--pairs 3] [--steps 30]
        .venv/bin/python scripts/bench_train.py --ttt-rows [--steps 30]
        (`--data DIR` keeps the extracted data between invocations)
 """
@@ -401,15 +405,20 @@ def eyrie_step_s(trainer, bar) -> float:
     return time.perf_counter() - t0
 
 
-#: `--allocator` and `--fused-loss`: per side, (keep_freed_memory, extra recipe overrides).
-PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str]]]] = {
+#: `--allocator`, `--fused-loss`, `--row-multiple`: per side, (keep_freed_memory, extra
+#: recipe overrides, `runtime.CPU_ROW_MULTIPLE` or None for as shipped).
+PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str], int | None]]] = {
     "allocator": {
-        "glibc defaults": (False, []),
-        "keep_freed_memory": (True, []),
+        "glibc defaults": (False, [], None),
+        "keep_freed_memory": (True, [], None),
     },
     "fused-loss": {
-        "eager loss": (True, ["train.fused_loss=false"]),
-        "fused loss": (True, ["train.fused_loss=true"]),
+        "eager loss": (True, ["train.fused_loss=false"], None),
+        "fused loss": (True, ["train.fused_loss=true"], None),
+    },
+    "row-multiple": {
+        "rows as they come": (True, [], 1),
+        "rows to 64": (True, [], 64),
     },
 }
 
@@ -417,7 +426,10 @@ PROCESS_SIDES: dict[str, dict[str, tuple[bool, list[str]]]] = {
 def ttt_rows_main(args: argparse.Namespace, root: Path) -> None:
     """`--ttt-rows`: the demo's training steps with the TTT forward on every row
     (speculators' own forward, `services.train.ttt.ttt_states`' other path) and on the rows
-    the loss can read (`ttt_rows`, as shipped), alternating step by step in one process."""
+    the loss can read (`ttt_rows`, as shipped), alternating step by step in one process.
+
+    Both sides take the same steps (each batch twice in a row, the side that goes first
+    alternating), so the batches' sizes and lengths cancel out of the ratio."""
     from services.train import ttt
     from services.train.runtime import keep_freed_memory
     from services.train.samples import index_samples
@@ -427,18 +439,18 @@ def ttt_rows_main(args: argparse.Namespace, root: Path) -> None:
     store = demo_inputs(args, root)
     trainer = Trainer(demo_recipe(args, args.new), store, index_samples(store))
     steps = [idx for plan in trainer.plans for idx in plan]
-    if len(steps) < 2 * args.steps + 2:
-        sys.exit(f"{len(steps)} steps: raise --epochs or --samples for 2 x --steps + 2")
+    if len(steps) < args.steps + 1:
+        sys.exit(f"{len(steps)} steps: raise --epochs or --samples for --steps + 1")
     refs = trainer.train_refs
     shipped = ttt.skips_rows
     sides = {"every row": lambda model: False, "loss's rows": shipped}
     spent, tokens = dict.fromkeys(sides, 0.0), dict.fromkeys(sides, 0)
     try:
         for i in range(args.steps + 1):  # the first pair is a warm-up (allocations, compiles)
-            for k, (name, rule) in enumerate(sides.items()):
-                ttt.skips_rows = rule
+            for name in list(sides)[:: 1 - 2 * (i % 2)]:
+                ttt.skips_rows = sides[name]
                 t0 = time.perf_counter()
-                done = trainer.train_step([refs[j] for j in steps[2 * i + k]])["tokens"]
+                done = trainer.train_step([refs[j] for j in steps[i]])["tokens"]
                 if i:
                     spent[name] += time.perf_counter() - t0
                     tokens[name] += done
@@ -456,11 +468,14 @@ def ttt_rows_main(args: argparse.Namespace, root: Path) -> None:
 
 def process_child(args: argparse.Namespace, root: Path) -> None:
     """One side of a process comparison: time `--steps` demo steps after one warm-up step."""
+    from services.train import runtime
     from services.train.runtime import keep_freed_memory
     from services.train.samples import index_samples
     from services.train.trainer import Trainer
 
-    keep, overrides = PROCESS_SIDES[args.compare][args.side]
+    keep, overrides, multiple = PROCESS_SIDES[args.compare][args.side]
+    if multiple is not None:
+        runtime.CPU_ROW_MULTIPLE = multiple
     if keep and not keep_freed_memory():
         sys.exit("keep_freed_memory: mallopt refused (not glibc?)")
     store = demo_inputs(args, root)
@@ -479,7 +494,8 @@ def process_child(args: argparse.Namespace, root: Path) -> None:
 
 
 def process_main(args: argparse.Namespace, root: Path) -> None:
-    """`--allocator` / `--fused-loss`: two process-wide settings in alternating processes."""
+    """`--allocator` / `--fused-loss` / `--row-multiple`: two process-wide settings in
+    alternating processes."""
     import statistics
     import subprocess
 
@@ -527,12 +543,17 @@ def main() -> None:
     ap.add_argument("--new", nargs="*", default=NEW, help="recipe overrides of the new run")
     ap.add_argument("--allocator", action="store_true", help="glibc defaults vs kept memory")
     ap.add_argument("--fused-loss", action="store_true", help="eager vs compiled loss kernels")
+    ap.add_argument("--row-multiple", action="store_true", help="matmul rows as-is vs to 64")
     ap.add_argument("--ttt-rows", action="store_true", help="TTT forward: every row vs ttt_rows")
     ap.add_argument("--compare", choices=list(PROCESS_SIDES), help=argparse.SUPPRESS)
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per process or side")
     args = ap.parse_args()
-    compare = {"allocator": args.allocator, "fused-loss": args.fused_loss}
+    compare = {
+        "allocator": args.allocator,
+        "fused-loss": args.fused_loss,
+        "row-multiple": args.row_multiple,
+    }
     if args.profile or args.stage or any(compare.values()) or args.ttt_rows or args.side:
         if args.samples == 32:
             args.samples = 128

@@ -106,6 +106,28 @@ def keep_freed_memory() -> bool:
     return mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and ok
 
 
+#: On CPU the row counts of the draft's matmuls are rounded up to a multiple of this: the
+#: packed micro-batch's length (`services.train.packing.collate`'s padding) and each TTT
+#: step's rows (`services.train.ttt.ttt_rows`). torch's CPU matmuls go through oneDNN,
+#: which builds and caches a kernel per shape, and packed batches and TTT rows of every
+#: length made nearly every product a new shape: on a 2-core AMX Xeon (torch 2.13) a bf16
+#: `[r, 1536] @ [1536, 576]` took 5.9 ms at a new r against 1.5 ms at a cached one, and
+#: the demo's steps ran at 1.3x the tokens/s with both rounded to 64 (2026-12-07,
+#: `scripts/bench_train.py --row-multiple`). 64 leaves 16 lengths per product at the
+#: demo's 1,024-token micro-batches, well inside oneDNN's 1,024-kernel cache; 32 measured
+#: level with 64, and 128 a little slower (more padding).
+CPU_ROW_MULTIPLE = 64
+
+
+def row_multiple(device_type: str) -> int:
+    """What the draft's matmul row counts are rounded up to on `device_type`.
+
+    `CPU_ROW_MULTIPLE` on "cpu" (why: its comment), 1 elsewhere (cuBLAS builds no kernel
+    per shape; flex attention pads to its own block, `draft_model.length_multiple`).
+    """
+    return CPU_ROW_MULTIPLE if device_type == "cpu" else 1
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The draft inside a DDP/FSDP wrapper (or the model itself)."""
     return getattr(model, "module", model)

@@ -64,7 +64,7 @@ from services.train.packing import (
     loss_positions,
     pack,
 )
-from services.train.runtime import Runtime, resolve_runtime, unwrap
+from services.train.runtime import Runtime, resolve_runtime, row_multiple, unwrap
 from services.train.samples import AlignedSample, SampleIndex, SampleReader, SampleRef
 from services.train.schedule import BUDGET_CALIBRATION_STEPS, budget_steps, lr_shape
 from shared.artifacts import RunStore
@@ -216,10 +216,13 @@ class Trainer:
         blocks: every micro-batch then has one length, as speculators pads every batch to
         its `max_len`, so the draft's compiled forward compiles once instead of per length
         (past torch's recompile limit it runs flex attention unfused, materializing the
-        `[T, k*T]` scores per head: seen on an H200). 1 under sdpa (CPU).
+        `[T, k*T]` scores per head: seen on an H200). Under sdpa, `runtime.row_multiple`:
+        64 on CPU, where every new matmul shape costs oneDNN a new kernel.
         """
         block = self.attention_block
-        return 1 if block == 1 else -(-self.micro_tokens // block) * block
+        if block == 1:
+            return row_multiple(self.rt.device_type)
+        return -(-self.micro_tokens // block) * block
 
     @property
     def draft(self) -> torch.nn.Module:

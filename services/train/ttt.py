@@ -36,16 +36,21 @@ if TYPE_CHECKING:
 FLEX = "simple_flex_attention"
 
 
-def ttt_rows(mask: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+def ttt_rows(mask: torch.Tensor, ttt_steps: int, multiple: int = 1) -> list[torch.Tensor]:
     """Per TTT step j, the positions whose step-j draft state some step j' >= j may read.
 
     Step 0: every position `0..n-1` (its keys and values are every later step's context).
     Step j >= 1: `t < n - j` with `mask[t]` or `mask[t + j']` for some `j <= j' < ttt_steps`
-    (the module docstring gives why). Each step's rows are a subset of the previous step's.
+    (the module docstring gives why), then, to a count that is a multiple of `multiple`,
+    the first other positions of the previous step's rows below `n - j` (or all of them,
+    when fewer remain): their states are computed and read by nothing, and they keep the
+    matmuls' shapes few (`services.train.runtime.CPU_ROW_MULTIPLE`). Each step's rows are
+    a subset of the previous step's.
 
     Args:
         mask: bool `[n]`, the micro-batch's loss mask.
         ttt_steps: the TTT depth (>= 1).
+        multiple: round each step j >= 1's row count up to a multiple of this (>= 1).
 
     Returns:
         `ttt_steps` int64 tensors of ascending positions.
@@ -58,6 +63,11 @@ def ttt_rows(mask: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
         need = mask[: max(n - j, 0)].clone()
         for jp in range(j, ttt_steps):
             need[: max(n - jp, 0)] |= mask[jp:]
+        extra = -int(need.sum()) % multiple
+        if extra:
+            prev = rows[-1][rows[-1] < n - j]
+            spare = prev[~need[prev]]
+            need[spare[:extra]] = True
         rows.append(torch.nonzero(need).squeeze(1))
     return rows
 
@@ -207,15 +217,17 @@ def ttt_states(
     Returns:
         (rows, states): per step j, ascending int64 positions `[r_j]` and the states
         `[r_j, H]` at them (the input of the draft's lm_head). On the dense attention path
-        the rows are `ttt_rows(loss_mask)`; otherwise every position `0..n-j-1`.
+        the rows are `ttt_rows(loss_mask)`, padded to `runtime.row_multiple`'s multiple;
+        otherwise every position `0..n-j-1`.
     """
     import torch
 
-    from services.train.runtime import unwrap
+    from services.train.runtime import row_multiple, unwrap
 
     draft: Any = unwrap(model)
     if skips_rows(model):
-        rows = ttt_rows(loss_mask[0], ttt_steps)
+        multiple = row_multiple(loss_mask.device.type)
+        rows = ttt_rows(loss_mask[0], ttt_steps, multiple)
         return rows, _row_forward(draft, inputs, rows)
     n = inputs["hidden_states"].shape[1]
     with _recorded_head(draft) as rec:

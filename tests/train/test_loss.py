@@ -215,6 +215,46 @@ def test_teacher_positions_cover_every_step_shift():
     assert teacher_positions(torch.zeros(4, dtype=torch.bool), 3).tolist() == []
 
 
+@pytest.mark.parametrize("mask_kind", ["scattered", "chat"])
+def test_padded_micro_batch_gives_the_unpadded_loss_and_gradients(draft_and_batch, mask_kind):
+    """A micro-batch padded to `CPU_ROW_MULTIPLE` as `collate` pads it (zeros, document -1,
+    loss mask off: what `Trainer.pad_to` asks for on CPU) gives the unpadded batch's loss,
+    metrics and gradients in fp64, its TTT rows padded too (`ttt_rows`' multiple)."""
+    import torch
+
+    from services.train.loss import ttt_loss
+    from services.train.runtime import CPU_ROW_MULTIPLE, row_multiple
+    from services.train.ttt import ttt_rows
+
+    model, batch = draft_and_batch
+    if mask_kind == "chat":
+        batch = {**batch, "loss_mask": _chat_mask(batch["loss_mask"].shape[1])}
+    n = batch["input_ids"].shape[1]
+    pad = -n % CPU_ROW_MULTIPLE
+    assert row_multiple("cpu") == CPU_ROW_MULTIPLE and pad > 0
+    padded = {k: torch.cat([v, v.new_zeros((1, pad, *v.shape[2:]))], 1) for k, v in batch.items()}
+    padded["document_ids"][0, n:] = -1
+    rows = ttt_rows(padded["loss_mask"][0], TTT, CPU_ROW_MULTIPLE)
+    # Rounded up to 64, or every row below n - j where that is fewer (scattered: 127, 126).
+    total = n + pad
+    assert [len(r) for r in rows] == [total, *([64] * 2 if mask_kind == "chat" else [127, 126])]
+    results = []
+    for b in (batch, padded):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = ttt_loss(model, b, TTT, DECAY, chunk_tokens=64)
+        loss.backward()
+        results.append((float(loss.detach()), {k: float(v) for k, v in metrics.items()}))
+        results[-1] += (_grads(model),)
+    (want, want_m, want_g), (got, got_m, got_g) = results
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got_m.keys() == want_m.keys()
+    for key, value in want_m.items():
+        assert got_m[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    assert got_g.keys() == want_g.keys()
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-10, atol=1e-14, msg=name)
+
+
 def test_ttt_rows_keep_every_position_a_later_step_may_score():
     """Worked by hand: step j keeps t < n - j with mask[t] or mask[t + j'], j <= j' < ttt."""
     import torch
@@ -227,6 +267,12 @@ def test_ttt_rows_keep_every_position_a_later_step_may_score():
     assert [r.tolist() for r in ttt_rows(mask, 2)] == [list(range(9)), [1, 2, 3, 6, 7]]
     assert [r.tolist() for r in ttt_rows(mask, 1)] == [list(range(9))]
     assert ttt_rows(torch.zeros(3, dtype=torch.bool), 3)[2].tolist() == []
+    # Padded to a multiple with the first unneeded rows of the previous step below n - j:
+    # step 1 takes 4 (7 -> 8 rows); step 2 takes 4 of {4, 6} (5 -> 6 rows), or both when 8
+    # rows would be needed (7 rows: none below 7 is left).
+    assert [r.tolist() for r in ttt_rows(mask, 3, 3)][1:] == [[*range(8)], [*range(6)]]
+    assert [r.tolist() for r in ttt_rows(mask, 3, 4)][1:] == [[*range(8)], [*range(7)]]
+    assert [r.tolist() for r in ttt_rows(mask, 3, 1)] == rows
 
 
 def test_row_forward_equals_speculators_forward_at_the_rows(draft_and_batch):
