@@ -475,6 +475,8 @@ def process_child(args: argparse.Namespace, root: Path) -> None:
 
     keep, overrides, multiple = PROCESS_SIDES[args.compare][args.side]
     if multiple is not None:
+        if not hasattr(runtime, "CPU_ROW_MULTIPLE"):
+            sys.exit("services.train.runtime.CPU_ROW_MULTIPLE is gone: update --row-multiple")
         runtime.CPU_ROW_MULTIPLE = multiple
     if keep and not keep_freed_memory():
         sys.exit("keep_freed_memory: mallopt refused (not glibc?)")

@@ -146,7 +146,8 @@ def test_bench_train_profile_step_and_per_step_teacher():
 @pytest.mark.slow
 def test_bench_train_profile_and_bench_quality_run_end_to_end_at_toy_size(tmp_path):
     """The benchmarks' heavy modes run through at toy sizes: `bench_train --profile` prints a
-    step of whole samples within its length, `--ttt-rows` times both TTT forwards, and
+    step of whole samples within its length, `--ttt-rows` times both TTT forwards,
+    `--row-multiple` both row roundings in child processes, and
     `bench_quality` trains both sides (its patches to speculators' `Trainer` still apply)
     and scores them. Nothing else runs these paths, and each broke unseen once when the code
     under them changed."""
@@ -164,6 +165,12 @@ def test_bench_train_profile_and_bench_quality_run_end_to_end_at_toy_size(tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"every row +([\d.]+) tok/s, loss's rows +([\d.]+) tok/s.* on (\d+)%", r.stdout)
     assert m and float(m[1]) > 0 and float(m[2]) > 0 and 0 < int(m[3]) <= 100, r.stdout[-2000:]
+    # --row-multiple's sides patch `services.train.runtime.CPU_ROW_MULTIPLE` in each child.
+    args = "--row-multiple --samples 8 --max-len 128 --steps 1 --epochs 4 --pairs 1".split()
+    r = _help(bt + args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"^median ratio rows to 64 / rows as they come: ([\d.]+)$", r.stdout, re.M)
+    assert m and float(m[1]) > 0, r.stdout[-2000:]
 
     args = (
         "--samples 24 --max-len 128 --budget-s 6 --chunk-steps 2 --epochs 1 --val-fraction 0.3"

@@ -166,6 +166,18 @@ class _Compiled:
         return out
 
 
+def padded_rows(c: int, multiple: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Row indices `0..c-1`, then `c-1` repeated up to a multiple of `multiple` (int64).
+
+    A matmul over `x[padded_rows(len(x), m)]` has one of few row counts; the caller weighs
+    the repeats at 0 or drops their results.
+    """
+    import torch
+
+    idx = torch.arange(c + (-c % multiple), device=device)
+    return idx.clamp_(max=max(c - 1, 0))
+
+
 class Teacher:
     """The teacher distribution over the draft vocab, read by position.
 
@@ -182,6 +194,10 @@ class Teacher:
         cached: int64 `[m]` positions to compute up front (every position `at` will be asked
             for), or None. The cache is `[m, Vd]` fp32: callers bound m by the loss chunk.
         fused: compute with the compiled kernels (`loss_kernels`).
+        multiple: the logits matmuls' row counts, here and in `chunked_kl`'s chunks, are
+            rounded up to a multiple of this with repeats of the last row that weigh
+            nothing (`services.train.runtime.row_multiple`: on CPU every new matmul shape
+            costs oneDNN a new kernel).
     """
 
     def __init__(
@@ -191,15 +207,16 @@ class Teacher:
         matmul_dtype: torch.dtype,
         cached: torch.Tensor | None = None,
         fused: bool = False,
+        multiple: int = 1,
     ) -> None:
         import torch
 
         self.th, self.twm, self.matmul_dtype = th, tw.to(matmul_dtype), matmul_dtype
-        self.fused = fused
+        self.fused, self.multiple = fused, multiple
         self.acc = torch.float64 if th.dtype == torch.float64 else torch.float32
         self.slot: torch.Tensor | None = None
         if cached is not None:
-            self.cache = self._compute(cached)
+            self.cache = self._compute(cached[padded_rows(len(cached), multiple, th.device)])
             self.slot = torch.full((th.shape[0],), -1, dtype=torch.long, device=th.device)
             self.slot[cached] = torch.arange(len(cached), device=th.device)
 
@@ -251,7 +268,7 @@ def _kl_and_grad(
     import torch
 
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-    n = h.shape[0]
+    n, multiple = h.shape[0], teacher.multiple
     loss = torch.zeros((), dtype=acc, device=h.device)
     grad_h = torch.empty_like(h) if want_h else None
     grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
@@ -262,14 +279,20 @@ def _kl_and_grad(
     want = matmul_dtype if want_h or want_w else None
     for s in range(0, n, chunk_tokens):
         e = min(s + chunk_tokens, n)
-        p, neg_entropy, teach[s:e] = teacher.at(pos[s:e])
-        hc = h[s:e].to(matmul_dtype)
-        wc = weight[s:e].to(acc)
-        chunk_loss, g, pred[s:e] = draft_terms(hc @ wm.T, p, neg_entropy, wc, want)
+        # Rows past e - s repeat the last one at weight 0: no loss, no gradient.
+        pad = (e - s) % multiple != 0
+        rows = s + padded_rows(e - s, multiple, h.device) if pad else slice(s, e)
+        p, neg_entropy, arg = teacher.at(pos[rows])
+        teach[s:e] = arg[: e - s]
+        hc = h[rows].to(matmul_dtype)
+        wc = weight[rows].to(acc)
+        wc[e - s :] = 0
+        chunk_loss, g, arg = draft_terms(hc @ wm.T, p, neg_entropy, wc, want)
+        pred[s:e] = arg[: e - s]
         loss += chunk_loss
         if g is not None:  # shape: [c, Vd]
             if grad_h is not None:
-                grad_h[s:e] = (g @ wm).to(h.dtype)
+                grad_h[s:e] = (g @ wm)[: e - s].to(h.dtype)
             if grad_w is not None:
                 grad_w += (g.T @ hc).to(acc)
         del p, g
@@ -424,7 +447,7 @@ def ttt_loss(
     """
     import torch
 
-    from services.train.runtime import unwrap
+    from services.train.runtime import row_multiple, unwrap
     from services.train.ttt import ttt_states
 
     draft: Any = unwrap(model)
@@ -447,7 +470,8 @@ def ttt_loss(
     if cached is not None and len(cached) > chunk_tokens:
         cached = None
     with torch.no_grad():
-        teacher = Teacher(teacher_h, tw, mm_dtype or states[0].dtype, cached, fused)
+        multiple = row_multiple(device_type)
+        teacher = Teacher(teacher_h, tw, mm_dtype or states[0].dtype, cached, fused, multiple)
     prev_correct = mask[0].clone()
     loss: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}

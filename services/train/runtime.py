@@ -107,12 +107,13 @@ def keep_freed_memory() -> bool:
 
 
 #: On CPU the row counts of the draft's matmuls are rounded up to a multiple of this: the
-#: packed micro-batch's length (`services.train.packing.collate`'s padding) and each TTT
-#: step's rows (`services.train.ttt.ttt_rows`). torch's CPU matmuls go through oneDNN,
+#: packed micro-batch's length (`services.train.packing.collate`'s padding), each TTT
+#: step's rows (`services.train.ttt.ttt_rows`) and the loss's logits over the draft vocab
+#: (`services.train.loss.Teacher`'s `multiple`). torch's CPU matmuls go through oneDNN,
 #: which builds and caches a kernel per shape, and packed batches and TTT rows of every
 #: length made nearly every product a new shape: on a 2-core AMX Xeon (torch 2.13) a bf16
 #: `[r, 1536] @ [1536, 576]` took 5.9 ms at a new r against 1.5 ms at a cached one, and
-#: the demo's steps ran at 1.3x the tokens/s with both rounded to 64 (2026-12-07,
+#: the demo's steps ran at 1.4x the tokens/s with all three rounded to 64 (2026-12-07,
 #: `scripts/bench_train.py --row-multiple`). 64 leaves 16 lengths per product at the
 #: demo's 1,024-token micro-batches, well inside oneDNN's 1,024-kernel cache; 32 measured
 #: level with 64, and 128 a little slower (more padding).

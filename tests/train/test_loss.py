@@ -215,6 +215,43 @@ def test_teacher_positions_cover_every_step_shift():
     assert teacher_positions(torch.zeros(4, dtype=torch.bool), 3).tolist() == []
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["per chunk", "cached"])
+def test_loss_rows_padded_to_a_multiple_change_nothing(cached):
+    """`Teacher(multiple=...)` rounds the logits matmuls' rows up with weightless repeats
+    (`padded_rows`): loss, gradients and both argmaxes equal the unpadded ones in fp64, for
+    chunks that are and are not whole multiples, the teacher cached or per chunk."""
+    import torch
+
+    from services.train.loss import Teacher, chunked_kl, padded_rows
+
+    assert padded_rows(5, 4).tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
+    assert padded_rows(8, 4).tolist() == list(range(8))
+    assert padded_rows(0, 4).tolist() == []
+    g = torch.Generator().manual_seed(3)
+    n, hd, vd = 45, 16, 50
+    h = torch.randn(n, hd, generator=g, dtype=torch.float64)
+    w = torch.randn(vd, hd, generator=g, dtype=torch.float64, requires_grad=True)
+    th = torch.randn(n + 2, hd, generator=g, dtype=torch.float64) * 2
+    tw = torch.randn(vd, hd, generator=g, dtype=torch.float64)
+    pos = torch.arange(n) + 2
+    weight = torch.rand(n, generator=g, dtype=torch.float64)
+    out = []
+    for multiple in (1, 8):
+        teacher = Teacher(th, tw, torch.float64, pos if cached else None, multiple=multiple)
+        hh = h.clone().requires_grad_(True)
+        w.grad = None
+        for chunk in (16, 13):
+            loss, pred, teach = chunked_kl(hh, w, teacher, pos, weight, chunk_tokens=chunk)
+            loss.backward()
+            out.append((multiple, chunk, loss.detach(), pred, teach, hh.grad.clone()))
+            hh.grad = None
+        out[-1] += (w.grad.clone(),)
+    by = {(m, c): rest for m, c, *rest in out}
+    for chunk in (16, 13):
+        for want, got in zip(by[1, chunk], by[8, chunk], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("mask_kind", ["scattered", "chat"])
 def test_padded_micro_batch_gives_the_unpadded_loss_and_gradients(draft_and_batch, mask_kind):
     """A micro-batch padded to `CPU_ROW_MULTIPLE` as `collate` pads it (zeros, document -1,
