@@ -473,11 +473,15 @@ def ttt_loss(
         multiple = row_multiple(device_type)
         teacher = Teacher(teacher_h, tw, mm_dtype or states[0].dtype, cached, fused, multiple)
     prev_correct = mask[0].clone()
+    # A target in the padding (`collate`'s, at the end) ends the chain, as the micro-batch's
+    # end does unpadded: no step scores or counts it.
+    real = batch["document_ids"][0] >= 0
     loss: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     for j in range(ttt_steps):
         m = mask[0, j:]
         prev = prev_correct[: n - j]
+        prev &= real[j:]
         rows = scored_rows(m, prev)
         at = torch.searchsorted(state_rows[j], rows).clamp_(max=len(state_rows[j]) - 1)
         if not torch.equal(state_rows[j][at], rows):

@@ -92,6 +92,7 @@ def step_memory(
     loss_chunk_tokens: int,
     compute_bytes: int,
     dense_mask: bool,
+    row_multiple: int = 1,
 ) -> StepMemory:
     """The memory model (module docstring) for a micro-batch of `tokens` positions.
 
@@ -102,13 +103,17 @@ def step_memory(
         loss_chunk_tokens: `train.loss_chunk_tokens`.
         compute_bytes: 2 under bf16 autocast, 4 in fp32.
         dense_mask: True when attention builds a dense `[n, k*n]` mask (CPU sdpa).
+        row_multiple: the micro-batch and the loss chunk are padded up to a multiple of
+            this (`services.train.runtime.row_multiple`).
 
     Returns:
         bytes by part.
     """
     h, i, b = shape.hidden, shape.intermediate, compute_bytes
     per_token_step = (16 * h + 4 * i) * b + 3 * 2 * h * 4
+    tokens += -tokens % row_multiple
     chunk = min(tokens, loss_chunk_tokens)
+    chunk += -chunk % row_multiple
     return StepMemory(
         params=4 * (shape.trainable_params + shape.frozen_params),
         optimizer=12 * shape.trainable_params + 4 * shape.draft_vocab * h,
@@ -179,11 +184,15 @@ def fit_micro_tokens(
     compute_bytes: int,
     dense_mask: bool,
     budget: int,
+    row_multiple: int = 1,
 ) -> int:
     """The largest `tokens_per_step / 2**m` (>= MIN_MICRO_TOKENS) whose step fits `budget`.
 
+    Nor below `row_multiple`, where padding would keep the micro-batch's size.
+
     Args:
         budget: bytes available (already reduced by `USABLE_FRACTION` by the caller, or not).
+        row_multiple: as `step_memory`'s.
 
     Returns:
         micro-batch tokens; `tokens_per_step` itself when the whole step fits.
@@ -194,10 +203,12 @@ def fit_micro_tokens(
     """
     n = tokens_per_step
     while True:
-        est = step_memory(shape, n, ttt_steps, loss_chunk_tokens, compute_bytes, dense_mask)
+        est = step_memory(
+            shape, n, ttt_steps, loss_chunk_tokens, compute_bytes, dense_mask, row_multiple
+        )
         if est.total <= budget:
             return n
-        if n // 2 < MIN_MICRO_TOKENS:
+        if n // 2 < max(MIN_MICRO_TOKENS, row_multiple):
             gib = {k: round(v / 2**30, 2) for k, v in est.as_dict().items()}
             raise MemoryError(
                 f"a train step of {n} tokens needs ~{gib['total']} GiB ({gib}) but "

@@ -161,14 +161,15 @@ class Trainer:
         tps, cfg = self.cfg.tokens_per_step, self.cfg
         args = (cfg.ttt_steps, cfg.loss_chunk_tokens, 2 if self.rt.autocast_dtype else 4)
         dense = self.rt.device_type == "cpu"  # sdpa's dense mask; flex on CUDA
+        rows = row_multiple(self.rt.device_type)
         params = step_memory(shape, 0, *args, dense).params  # already on the device
         budget = int(free_bytes(self.rt.device) * USABLE_FRACTION) + params
         if cfg.micro_tokens is not None:
             micro = min(cfg.micro_tokens, tps)
         else:
             start = min(tps, DENSE_MASK_MICRO_TOKENS) if dense else tps
-            micro = fit_micro_tokens(shape, start, *args, dense, budget)
-        est = step_memory(shape, micro, *args, dense).as_dict()
+            micro = fit_micro_tokens(shape, start, *args, dense, budget, rows)
+        est = step_memory(shape, micro, *args, dense, rows).as_dict()
         log.info(
             "train step memory: %d of %d tokens per micro-batch, ~%.2f GiB of %.2f GiB",
             micro,
@@ -394,12 +395,13 @@ class Trainer:
         """After an out-of-memory error: drop the partial gradients and halve micro_tokens.
 
         Raises:
-            MemoryError: micro_tokens is already at MIN_MICRO_TOKENS.
+            MemoryError: micro_tokens is already at MIN_MICRO_TOKENS, or at the row multiple
+                (`runtime.row_multiple`) below which padding keeps the micro-batch's size.
         """
         self.optim.zero_grad(set_to_none=True)
         release_cached()
         old = self.micro_tokens
-        if old // 2 < MIN_MICRO_TOKENS:
+        if old // 2 < max(MIN_MICRO_TOKENS, row_multiple(self.rt.device_type)):
             raise MemoryError(
                 f"train step {self.state.step + 1}: out of memory at {old} tokens per "
                 f"micro-batch ({error}); lower draft.draft_vocab_size or use a larger device"

@@ -252,6 +252,33 @@ def test_loss_rows_padded_to_a_multiple_change_nothing(cached):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+def test_padding_ends_the_chain_as_the_micro_batch_end_does(draft_and_batch, monkeypatch):
+    """With a draft that always agrees with the teacher, every chain stays alive to the
+    micro-batch's end: padded, the chain at a position whose step-j target is padding ends
+    there, so the accuracy metrics (`cond_acc_j` totals) equal the unpadded batch's."""
+    import torch
+
+    from services.train import loss as loss_mod
+
+    def agreeing(h, w, teacher, pos, weight, chunk_tokens, matmul_dtype=None):
+        teach = teacher.at(pos)[2]
+        return (h.sum() * 0).double(), teach.clone(), teach
+
+    monkeypatch.setattr(loss_mod, "chunked_kl", agreeing)
+    model, batch = draft_and_batch
+    batch = {**batch, "loss_mask": torch.ones_like(batch["loss_mask"])}
+    n, pad = batch["input_ids"].shape[1], 26
+    padded = {k: torch.cat([v, v.new_zeros((1, pad, *v.shape[2:]))], 1) for k, v in batch.items()}
+    padded["document_ids"][0, n:] = -1
+    got = [loss_mod.ttt_loss(model, b, TTT, DECAY, chunk_tokens=64)[1] for b in (batch, padded)]
+    # By hand: every position is trainable, so step j counts the n - j positions with a
+    # target, all correct.
+    for j in range(TTT):
+        assert float(got[0][f"cond_acc_{j}_total"]) == n - j
+    for key, want in got[0].items():
+        assert float(got[1][key]) == float(want), key
+
+
 @pytest.mark.parametrize("mask_kind", ["scattered", "chat"])
 def test_padded_micro_batch_gives_the_unpadded_loss_and_gradients(draft_and_batch, mask_kind):
     """A micro-batch padded to `CPU_ROW_MULTIPLE` as `collate` pads it (zeros, document -1,

@@ -138,8 +138,10 @@ def test_planner_picks_a_smaller_micro_batch_when_memory_is_short(
     recipe = train_recipe(smollm2_path, tokens_per_step=192)
     store = make_run(recipe)
     shape = memory.draft_shape(_trainer(store, recipe).draft)
-    est = {n: memory.step_memory(shape, n, 3, 4096, 2, True).total for n in (192, 96, 48)}
+    # On CPU a micro-batch is padded to 64 rows (`runtime.CPU_ROW_MULTIPLE`): 96 costs 128.
+    est = {n: memory.step_memory(shape, n, 3, 4096, 2, True, 64).total for n in (192, 96, 48)}
     assert est[192] > est[96] > est[48]
+    assert est[96] == memory.step_memory(shape, 128, 3, 4096, 2, True).total
     # Free memory such that 96 tokens fit and 192 do not (parameters are already resident).
     params = memory.step_memory(shape, 0, 3, 4096, 2, True).params
     free = int(((est[96] + est[192]) / 2 - params) / memory.USABLE_FRACTION)
