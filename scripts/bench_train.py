@@ -235,9 +235,15 @@ def per_step_teacher() -> Any:
 
     class PerStep(loss.Teacher):
         def __init__(
-            self, th: Any, tw: Any, matmul_dtype: Any, cached: Any = None, fused: bool = False
+            self,
+            th: Any,
+            tw: Any,
+            matmul_dtype: Any,
+            cached: Any = None,
+            fused: bool = False,
+            multiple: int = 1,
         ) -> None:
-            super().__init__(th, tw, matmul_dtype, None, fused)
+            super().__init__(th, tw, matmul_dtype, None, fused, multiple)
 
     return PerStep
 
