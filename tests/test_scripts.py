@@ -90,6 +90,20 @@ def test_bench_regen_levels_parse_and_refuse():
     assert r.returncode == 2 and "'0:4'" in r.stderr
 
 
+def test_bench_regen_kv_sizes_parse_and_refuse():
+    """`bench_regen.py --kv-gib`: positive GiB, one server each; 0, a fraction or several
+    sizes against one --url server are usage errors (exit 2) before any server starts."""
+    from scripts.bench_regen import parse_kv
+
+    assert parse_kv("1,4") == [1, 4]
+    bench = [sys.executable, str(SCRIPTS / "bench_regen.py")]
+    for bad in ("0", "1.5", "1,,4"):
+        r = _help([*bench, "--kv-gib", bad])
+        assert r.returncode == 2 and f"{bad!r} is not a list of positive GiB" in r.stderr, bad
+    r = _help([*bench, "--kv-gib", "1,4", "--url", "http://127.0.0.1:9", "--model", "m"])
+    assert r.returncode == 2 and "leave out --url" in r.stderr
+
+
 def test_check_served_tau_compare_counts_exact_and_cut_requests_and_three_taus():
     from scripts.check_served_tau import compare
 
