@@ -126,9 +126,9 @@ def loss_kernels(fused: bool) -> LossKernels:
     one build serves every chunk. The first build costs ~13 s of the first step there
     (teacher and training kernels) and a few more at the first validation; later processes
     load it from inductor's on-disk cache. Building needs a C++ compiler on CPU (Triton on CUDA):
-    where a kernel's first call fails to build, that kernel runs eager for the rest of the
-    process and one line is logged (the kernels change no input in place, so the call is
-    simply repeated eager).
+    where a kernel's call fails to build (at its first call or a later rebuild), that kernel
+    runs eager for the rest of the process and one line is logged (the kernels change no input
+    in place, so the call is simply repeated eager).
 
     Args:
         fused: use the compiled kernels (built on their first call).
@@ -142,18 +142,26 @@ def loss_kernels(fused: bool) -> LossKernels:
 
 
 class _Compiled:
-    """`torch.compile(fn)`, or `fn` itself once the compiled one failed on its first call."""
+    """`torch.compile(fn)`, or `fn` itself once a compiled call failed.
+
+    Any call may build: the first, and every later one whose inputs break a guard (another
+    dtype, grad mode, a new dynamic-shape range), e.g. the first validation after training
+    steps. A build can also fail on a cached kernel left torn by a killed process (inductor's
+    cache outlives a restarted container's process: "file too short"). So every call falls
+    back, not only the first: the kernels change no input in place, so the call is repeated
+    eager, and an error that is not the build's is raised again by the eager call.
+    """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         import torch
 
-        self.eager, self.fn, self.built = fn, torch.compile(fn, dynamic=True), False
+        self.eager, self.fn = fn, torch.compile(fn, dynamic=True)
 
     def __call__(self, *args: Any) -> Any:
-        if self.built:
-            return self.fn(*args)
+        if self.fn is self.eager:
+            return self.eager(*args)
         try:
-            out = self.fn(*args)
+            return self.fn(*args)
         except Exception as e:  # noqa: BLE001  inductor's build errors share no base class
             log.warning(
                 "train: fused loss kernel %s not built, running eager: %s",
@@ -161,9 +169,7 @@ class _Compiled:
                 (str(e).strip().splitlines() or [type(e).__name__])[0][:200],
             )
             self.fn = self.eager
-            out = self.fn(*args)
-        self.built = True
-        return out
+            return self.eager(*args)
 
 
 def padded_rows(c: int, multiple: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -10,6 +10,12 @@ in fp64 (`F.kl_div` of the fp64 log-softmax and softmax over the whole vocab).
 from __future__ import annotations
 
 import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -412,15 +418,45 @@ print("RESULT", json.dumps([p.sum(-1).tolist(), neg_entropy.tolist(), arg.tolist
 """
 
 
+REBUILD = """
+import json, logging, torch
+import torch._inductor.config as cfg
+logging.basicConfig(level=logging.WARNING)
+from services.train.loss import loss_kernels
+k = loss_kernels(True)
+t = torch.tensor([[0.0, 1.0, 3.0], [2.0, 2.0, -1.0]])
+k.teacher(t, torch.float32)  # built and run compiled
+cfg.cpp.cxx = ("/nonexistent/g++",)  # the next build fails, as on a torn cached kernel
+p, neg_entropy, arg = k.teacher(t.double(), torch.float64)  # another dtype: a rebuild
+print("RESULT", json.dumps([p.sum(-1).tolist(), neg_entropy.tolist(), arg.tolist()]))
+"""
+
+
+def _neg_h(row):
+    z = sum(math.exp(v) for v in row)
+    return sum(math.exp(v) / z * (v - math.log(z)) for v in row)
+
+
+def test_fused_kernels_fall_back_to_eager_when_a_later_rebuild_fails(tmp_path):
+    """A kernel built at its first call, whose rebuild fails at a later call (another dtype
+    or grad mode, e.g. the first validation; in a deployment, a cached kernel torn by a killed
+    trainer), logs one line and gives the eager result, worked by hand: the stage goes on."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # no cached build
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", REBUILD], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "fused loss kernel _teacher_terms not built, running eager" in out.stderr
+    assert "InvalidCxxCompiler" in out.stderr
+    sums, neg_entropy, arg = json.loads(out.stdout.split("RESULT")[1])
+    assert sums == pytest.approx([1.0, 1.0], rel=1e-12)
+    assert neg_entropy == pytest.approx([_neg_h([0, 1, 3]), _neg_h([2, 2, -1])], rel=1e-12)
+    assert arg == [2, 0]
+
+
 def test_fused_kernels_fall_back_to_eager_without_a_compiler(tmp_path):
     """A failed build logs one line and gives the eager result, worked by hand."""
-    import json
-    import math
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # no cached build
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
@@ -430,11 +466,6 @@ def test_fused_kernels_fall_back_to_eager_without_a_compiler(tmp_path):
     assert "fused loss kernel _teacher_terms not built, running eager" in out.stderr
     assert "InvalidCxxCompiler" in out.stderr
     sums, neg_entropy, arg = json.loads(out.stdout.split("RESULT")[1])
-
-    def neg_h(row):
-        z = sum(math.exp(v) for v in row)
-        return sum(math.exp(v) / z * (v - math.log(z)) for v in row)
-
     assert sums == pytest.approx([1.0, 1.0])
-    assert neg_entropy == pytest.approx([neg_h([0, 1, 3]), neg_h([2, 2, -1])], rel=1e-6)
+    assert neg_entropy == pytest.approx([_neg_h([0, 1, 3]), _neg_h([2, 2, -1])], rel=1e-6)
     assert arg == [2, 0]
