@@ -437,35 +437,30 @@ def _neg_h(row):
     return sum(math.exp(v) / z * (v - math.log(z)) for v in row)
 
 
+def _fallback_result(script: str, tmp_path: Path, rel: float) -> None:
+    """Run `script` (its kernels' build fails) in a fresh process with an empty inductor
+    cache: it must log the fallback and print the eager teacher terms, worked by hand."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # no cached build
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "fused loss kernel _teacher_terms not built, running eager" in out.stderr
+    assert "InvalidCxxCompiler" in out.stderr
+    sums, neg_entropy, arg = json.loads(out.stdout.split("RESULT")[1])
+    assert sums == pytest.approx([1.0, 1.0], rel=rel)
+    assert neg_entropy == pytest.approx([_neg_h([0, 1, 3]), _neg_h([2, 2, -1])], rel=rel)
+    assert arg == [2, 0]
+
+
 def test_fused_kernels_fall_back_to_eager_when_a_later_rebuild_fails(tmp_path):
     """A kernel built at its first call, whose rebuild fails at a later call (another dtype
     or grad mode, e.g. the first validation; in a deployment, a cached kernel torn by a killed
-    trainer), logs one line and gives the eager result, worked by hand: the stage goes on."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # no cached build
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", REBUILD], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    assert "fused loss kernel _teacher_terms not built, running eager" in out.stderr
-    assert "InvalidCxxCompiler" in out.stderr
-    sums, neg_entropy, arg = json.loads(out.stdout.split("RESULT")[1])
-    assert sums == pytest.approx([1.0, 1.0], rel=1e-12)
-    assert neg_entropy == pytest.approx([_neg_h([0, 1, 3]), _neg_h([2, 2, -1])], rel=1e-12)
-    assert arg == [2, 0]
+    trainer), logs one line and gives the eager result (fp64 here): the stage goes on."""
+    _fallback_result(REBUILD, tmp_path, rel=1e-12)
 
 
 def test_fused_kernels_fall_back_to_eager_without_a_compiler(tmp_path):
-    """A failed build logs one line and gives the eager result, worked by hand."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # no cached build
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", FALLBACK], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    assert "fused loss kernel _teacher_terms not built, running eager" in out.stderr
-    assert "InvalidCxxCompiler" in out.stderr
-    sums, neg_entropy, arg = json.loads(out.stdout.split("RESULT")[1])
-    assert sums == pytest.approx([1.0, 1.0])
-    assert neg_entropy == pytest.approx([_neg_h([0, 1, 3]), _neg_h([2, 2, -1])], rel=1e-6)
-    assert arg == [2, 0]
+    """A failed build logs one line and gives the eager result (fp32)."""
+    _fallback_result(FALLBACK, tmp_path, rel=1e-6)
