@@ -149,7 +149,9 @@ class _Compiled:
     steps. A build can also fail on a cached kernel left torn by a killed process (inductor's
     cache outlives a restarted container's process: "file too short"). So every call falls
     back, not only the first: the kernels change no input in place, so the call is repeated
-    eager, and an error that is not the build's is raised again by the eager call.
+    eager, and an error that is not the build's is raised again by the eager call. Out of
+    memory is the exception: it is raised as is, and the compiled kernel kept, for the
+    trainer's OOM back-off to retry a smaller micro-batch at full speed.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -160,8 +162,12 @@ class _Compiled:
     def __call__(self, *args: Any) -> Any:
         if self.fn is self.eager:
             return self.eager(*args)
+        import torch
+
         try:
             return self.fn(*args)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as e:  # noqa: BLE001  inductor's build errors share no base class
             log.warning(
                 "train: fused loss kernel %s not built, running eager: %s",

@@ -461,6 +461,28 @@ def test_fused_kernels_fall_back_to_eager_when_a_later_rebuild_fails(tmp_path):
     _fallback_result(REBUILD, tmp_path, rel=1e-12)
 
 
+def test_fused_kernel_keeps_its_build_on_out_of_memory():
+    """Out of memory in a compiled call is raised as is, not taken for a failed build: the
+    next call (the OOM back-off's smaller micro-batch) runs the compiled kernel again."""
+    import torch
+
+    from services.train.loss import _Compiled
+
+    calls = []
+
+    def compiled(x):
+        calls.append(x)
+        if x > 1:
+            raise torch.OutOfMemoryError("out of memory")
+        return "compiled"
+
+    k = _Compiled(lambda x: "eager")
+    k.fn = compiled
+    with pytest.raises(torch.OutOfMemoryError):
+        k(2)
+    assert k(1) == "compiled" and calls == [2, 1]
+
+
 def test_fused_kernels_fall_back_to_eager_without_a_compiler(tmp_path):
     """A failed build logs one line and gives the eager result (fp32)."""
     _fallback_result(FALLBACK, tmp_path, rel=1e-6)
