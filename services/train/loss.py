@@ -125,10 +125,11 @@ def loss_kernels(fused: bool) -> LossKernels:
     `scripts/bench_train.py --fused-loss`). Shapes are dynamic (chunks differ in rows), so
     one build serves every chunk. The first build costs ~13 s of the first step there
     (teacher and training kernels) and a few more at the first validation; later processes
-    load it from inductor's on-disk cache. Building needs a C++ compiler on CPU (Triton on CUDA):
-    where a kernel's call fails to build (at its first call or a later rebuild), that kernel
-    runs eager for the rest of the process and one line is logged (the kernels change no input
-    in place, so the call is simply repeated eager).
+    load it from inductor's on-disk cache, after the files a killed build left torn there are
+    removed (`services.train.kernel_cache`). Building needs a C++ compiler on CPU (Triton on
+    CUDA): where a kernel's call fails to build (at its first call or a later rebuild), that
+    kernel runs eager for the rest of the process and one line is logged (the kernels change no
+    input in place, so the call is simply repeated eager).
 
     Args:
         fused: use the compiled kernels (built on their first call).
@@ -137,6 +138,18 @@ def loss_kernels(fused: bool) -> LossKernels:
     if not fused:
         return _EAGER
     if _fused is None:
+        from services.train.kernel_cache import purge_torn_kernels
+
+        # Before the process's first build: inductor caches what it learns from the cache
+        # in memory (a CPU ISA whose test library fails to load is taken as unsupported).
+        torn = purge_torn_kernels()
+        if torn:
+            log.warning(
+                "train: removed %d torn compiled kernel file(s) from inductor's cache (left by "
+                "a killed build; they are built again), e.g. %s",
+                len(torn),
+                torn[0],
+            )
         _fused = LossKernels(*(_Compiled(f) for f in _EAGER))
     return _fused
 
@@ -146,12 +159,11 @@ class _Compiled:
 
     Any call may build: the first, and every later one whose inputs break a guard (another
     dtype, grad mode, a new dynamic-shape range), e.g. the first validation after training
-    steps. A build can also fail on a cached kernel left torn by a killed process (inductor's
-    cache outlives a restarted container's process: "file too short"). So every call falls
-    back, not only the first: the kernels change no input in place, so the call is repeated
-    eager, and an error that is not the build's is raised again by the eager call. Out of
-    memory is the exception: it is raised as is, and the compiled kernel kept, for the
-    trainer's OOM back-off to retry a smaller micro-batch at full speed.
+    steps. A failed build falls back to eager for the rest of the process: the kernels change
+    no input in place, so the call is repeated eager, and an error that is not the build's is
+    raised again by the eager call. Out of memory is the exception: it is raised as is, and
+    the compiled kernel kept, for the trainer's OOM back-off to retry a smaller micro-batch
+    at full speed.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
