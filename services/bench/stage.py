@@ -3,9 +3,10 @@
 - `bench`: each shard sweeps one server (`bench_plan`): for each k served (the recipe's
   `num_speculative_tokens`, then `measure_k`) and each of `rounds` rounds, a baseline shard
   and an eagle3 shard, so with the default one k and one round shard 0 is the baseline and
-  shard 1 eagle3. The conductor starts the servers each k's group needs and enqueues its
-  shards in order: side by side, the rounds alternate; one server at a time, each server
-  runs its rounds in a row. Each writes `bench/shard-N.json` (`services.bench.sweep`);
+  shard 1 eagle3. The conductor starts the servers each k's group needs (keeping the
+  baseline, the same for every k) and enqueues its shards in order: side by side, the rounds
+  alternate; one server at a time, each server runs its rounds in a row. Each writes
+  `bench/shard-N.json` (`services.bench.sweep`);
 - `report`: combines all shards into `report/` (report.json, report.md, speedup.png,
   acceptance.png), with flags (`services.bench.diagnosis`).
 """
@@ -48,16 +49,18 @@ class BenchShard:
 def bench_plan(recipe: Recipe) -> list[BenchShard]:
     """Every bench shard in order, per k served.
 
-    Side by side, each round is a baseline then an eagle3 shard, so the rounds alternate.
-    Otherwise (one server at a time) a k's baseline rounds come first, then its eagle3
-    rounds, so each server starts once per k.
+    Side by side, each round of each k is a baseline then an eagle3 shard, so the rounds
+    alternate. Otherwise (one server at a time) every k's baseline rounds come first, then
+    each k's eagle3 rounds: the baseline server, which no k changes, starts once for all of
+    them (`services.conductor.servers.ServerPool`), and each k's eagle3 server once.
     """
     b = recipe.bench
+    ks = b.served_ks()
     if b.side_by_side:
-        order = [(r, m) for r in range(b.rounds) for m in ("baseline", "eagle3")]
+        order = [(k, r, m) for k in ks for r in range(b.rounds) for m in ("baseline", "eagle3")]
     else:
-        order = [(r, m) for m in ("baseline", "eagle3") for r in range(b.rounds)]
-    return [BenchShard(k, r, m) for k in b.served_ks() for r, m in order]
+        order = [(k, r, m) for m in ("baseline", "eagle3") for k in ks for r in range(b.rounds)]
+    return [BenchShard(k, r, m) for k, r, m in order]
 
 
 def bench_shard(recipe: Recipe, shard: int) -> BenchShard:

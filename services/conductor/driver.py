@@ -6,8 +6,10 @@ conductor waits on manifests (a stage is done when every shard's manifest exists
 rq's registries, which are unreliable when workers die. While it waits it runs the
 reconciler, so a job abandoned by a dead worker is re-enqueued within seconds.
 
-A GPU stage takes the GPU lease for its phase; the vLLM servers its shards declare are
-started before its jobs are enqueued and stopped after.
+A GPU stage takes the GPU lease for its phase; the vLLM servers each of its shard groups
+declares are running before the group's jobs are enqueued (a server the next group launches
+the same way stays up: the bench's baseline across its k groups), and all are stopped when
+the stage ends.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from redis import Redis
 
@@ -26,6 +29,9 @@ from shared.lease import gpu_lease
 from shared.queue import JobSpec, RedisOutage, enqueue, failed_reason, reconcile
 from shared.recipe import Recipe
 from shared.stage import Stage, pipeline
+
+if TYPE_CHECKING:
+    from services.conductor.servers import ServerPool
 
 log = logging.getLogger("eyrie.conductor")
 
@@ -54,35 +60,35 @@ def _no_lease() -> None:
     return None
 
 
+@dataclass
+class Phase:
+    """What a stage holds while its shard groups run.
+
+    Attributes:
+        check: call while waiting: raises `ServiceUnavailableError` once the GPU lease is
+            lost (a no-op for CPU stages).
+        pool: the GPU phase's servers (`services.conductor.servers.ServerPool`), kept across
+            the stage's shard groups; None for CPU stages.
+    """
+
+    check: Callable[[], None]
+    pool: ServerPool | None = None
+
+
 @contextlib.contextmanager
 def stage_phase(
-    stage: Stage,
-    store: RunStore,
-    recipe: Recipe,
-    conn: Redis,
-    shards: list[int],
-    opts: DriveOptions | None = None,
-) -> Iterator[Callable[[], None]]:
-    """Hold the GPU lease and the servers `stage` needs while its `shards` run.
-
-    Yields:
-        a check to call while waiting: it raises `ServiceUnavailableError` once the GPU
-        lease is lost (a no-op for CPU stages).
-    """
+    stage: Stage, store: RunStore, conn: Redis, opts: DriveOptions | None = None
+) -> Iterator[Phase]:
+    """Hold the GPU lease and a server pool while `stage`'s shard groups run (GPU stages)."""
     if stage.gpu_phase is None:
-        yield _no_lease
+        yield Phase(_no_lease)
         return
-    from services.conductor.servers import serving
+    from services.conductor.servers import server_pool
 
     outage_s = opts.redis_outage_s if opts is not None else None
     with gpu_lease(conn, stage.gpu_phase, store.run_id, outage_s=outage_s) as lease:
-        modes = stage.servers(recipe, shards)
-        if modes:
-            # shard_groups never mixes server recipes: the first shard's is the group's.
-            with serving(stage.server_recipe(recipe, shards[0]), store, modes):
-                yield lease.check
-        else:
-            yield lease.check
+        with server_pool(store) as pool:
+            yield Phase(lease.check, pool)
 
 
 def run_stage(
@@ -95,6 +101,9 @@ def run_stage(
 ) -> bool:
     """Enqueue the unfinished shards of `stage` and wait until all are done.
 
+    Shard groups (`Stage.shard_groups`) run one after another, each with the servers its
+    shards need (a server the next group launches the same way stays up).
+
     Returns:
         False when every shard was already done (nothing ran), else True.
     """
@@ -104,13 +113,18 @@ def run_stage(
         log.info("stage %s: all %d shard(s) done, skipping", stage.name, len(all_shards))
         return False
     outage = RedisOutage(f"stage {stage.name} of {store.run_id}", opts.redis_outage_s)
-    for group in stage.shard_groups(recipe, todo):
-        with stage_phase(stage, store, recipe, conn, group, opts) as lease_ok:
+    with stage_phase(stage, store, conn, opts) as phase:
+        for group in stage.shard_groups(recipe, todo):
+            if phase.pool is not None:
+                # shard_groups never mixes server recipes: the first shard's is the group's.
+                phase.pool.serve(
+                    stage.server_recipe(recipe, group[0]), stage.servers(recipe, group)
+                )
             for shard in group:
                 timeout = stage.job_timeout(recipe, store)
                 spec = JobSpec(stage.queue, store.run_id, stage.name, shard, timeout)
                 outage.call(enqueue, spec, conn)
-            _wait(stage, store, conn, group, opts, on_tick, outage, lease_ok)
+            _wait(stage, store, conn, group, opts, on_tick, outage, phase.check)
     return True
 
 

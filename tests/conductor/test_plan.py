@@ -291,12 +291,13 @@ def test_bench_is_planned_per_k_served_and_round(smollm2_path, tmp_path, monkeyp
 
     one, note = planned()
     assert note == "2 server starts"
-    # k = 3, 1, 2 in 2 rounds: 6 servers, each sweeping 8 x 64 tokens x 3 concurrencies twice.
+    # k = 3, 1, 2 in 2 rounds: one baseline server for all k and 3 eagle3 servers; each k's
+    # two servers sweep 8 x 64 tokens x 3 concurrencies twice (12 sweeps).
     three, note = planned(measure_k=[1, 2, 3], rounds=2)
-    assert note == "6 server starts"
+    assert note == "4 server starts"
     rates = resolve_recipe(base).rates
     load = (one - 2 * 8 * 64 * 3 / rates.regen_tokens_per_s) / 2
-    assert three == pytest.approx(6 * load + 6 * 2 * 8 * 64 * 3 / rates.regen_tokens_per_s)
+    assert three == pytest.approx(4 * load + 12 * 8 * 64 * 3 / rates.regen_tokens_per_s)
 
 
 def test_run_refuses_a_run_the_disk_cannot_hold(smollm2_path, tmp_path, monkeypatch, capsys):

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -166,19 +167,19 @@ def test_bench_rounds_alternate_and_each_measured_k_gets_its_own_servers(recipe,
     assert bench.server_recipe(r, 0) is r  # the recipe's own k: the run's recipe unchanged
     # A shard is resumed from where it stopped: the remaining ones keep their k groups.
     assert bench.shard_groups(r, [3, 4, 9]) == [[3], [4], [9]]
-    # One server at a time: no alternation; each server starts once per k for its rounds.
+    # One server at a time: no alternation; every k's baseline rounds first, then each k's
+    # eagle3 rounds (the baseline server is the same for every k: it starts once).
     seq = resolve_recipe(
         {**r.model_dump(mode="json"), "bench": {**r.bench.model_dump(), "side_by_side": False}}
     )
-    assert [(p.k, p.round, p.mode) for p in bench_plan(seq)][:4] == [
-        (3, 0, "baseline"),
-        (3, 1, "baseline"),
-        (3, 0, "eagle3"),
-        (3, 1, "eagle3"),
+    assert [(p.k, p.round, p.mode) for p in bench_plan(seq)] == [
+        *((k, rnd, "baseline") for k in (3, 1, 2) for rnd in (0, 1)),
+        *((k, rnd, "eagle3") for k in (3, 1, 2) for rnd in (0, 1)),
     ]
     groups = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
     assert bench.shard_groups(seq, list(range(12))) == groups
-    assert bench.servers(seq, [2, 3]) == ["eagle3"]
+    assert bench.servers(seq, [2, 3]) == ["baseline"]
+    assert bench.servers(seq, [6, 7]) == ["eagle3"]
 
 
 def test_bench_refuses_a_server_drafting_another_k():
@@ -237,3 +238,109 @@ def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
         assert not low <= port <= high
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+class _Recorded:
+    """The pool's side of the backend, recorded: which servers start and stop, in order."""
+
+    def __init__(self, monkeypatch):
+        from services.conductor import gpu, servers
+
+        self.events: list[tuple[str, str, object]] = []
+        self.dead: set[str] = set()
+        self.gpu_checks = 0
+        recorded = self
+
+        class Backend(servers.Backend):
+            name = "process"
+
+            def alive(self, handle):
+                return handle.url not in recorded.dead
+
+            def stop(self, handle):
+                recorded.events.append(("stop", handle.mode, handle.model))
+
+        def start_server(backend, recipe, store, mode):
+            k = recipe.bench.num_speculative_tokens if mode == "eagle3" else None
+            self.events.append(("start", mode, k))
+            return ServerHandle(mode, f"http://{mode}-{k}", k, "process")
+
+        def check_gpus_free():
+            self.gpu_checks += 1
+
+        monkeypatch.setattr(servers, "get_backend", lambda name: Backend())
+        monkeypatch.setattr(servers, "start_server", start_server)
+        monkeypatch.setattr(gpu, "check_gpus_free", check_gpus_free)
+
+
+def _bench_groups(recipe, tmp_path, side_by_side):
+    r = resolve_recipe(
+        {
+            **recipe.model_dump(mode="json"),
+            "bench": {"measure_k": [1, 2], "rounds": 2, "side_by_side": side_by_side},
+        }
+    )
+    store = RunStore.create(r, root=tmp_path / "data")
+    random_llama_draft(Path(r.target.path), store.export.vllm_draft, [2, 15, 27], 64)
+    bench = get_stage("bench")
+    return store, [
+        (bench.server_recipe(r, g[0]), bench.servers(r, g))
+        for g in bench.shard_groups(r, bench.shard_numbers(store))
+    ]
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_the_bench_starts_its_baseline_once_for_every_k(
+    recipe, tmp_path, monkeypatch, side_by_side
+):
+    """k = 3, 1, 2 in 2 rounds: one baseline start and one eagle3 start per k (4 in all,
+    against 6 when each k group started its own baseline), each eagle3 server stopped before
+    the next k's starts; side by side the baseline stays up beside every k's eagle3."""
+    from services.conductor.servers import server_pool
+
+    rec = _Recorded(monkeypatch)
+    store, groups = _bench_groups(recipe, tmp_path, side_by_side)
+    with server_pool(store) as pool:
+        urls = [pool.serve(r, modes) for r, modes in groups]
+    if side_by_side:
+        assert rec.events == [
+            ("start", "baseline", None),
+            ("start", "eagle3", 3),
+            ("stop", "eagle3", 3),
+            ("start", "eagle3", 1),
+            ("stop", "eagle3", 1),
+            ("start", "eagle3", 2),
+            ("stop", "eagle3", 2),
+            ("stop", "baseline", None),
+        ]
+        assert urls[1] == {"baseline": "http://baseline-None", "eagle3": "http://eagle3-1"}
+    else:
+        assert len(groups) == 6  # every k's baseline rounds, then each k's eagle3 rounds
+        assert rec.events == [
+            ("start", "baseline", None),
+            ("stop", "baseline", None),
+            ("start", "eagle3", 3),
+            ("stop", "eagle3", 3),
+            ("start", "eagle3", 1),
+            ("stop", "eagle3", 1),
+            ("start", "eagle3", 2),
+            ("stop", "eagle3", 2),
+        ]
+        assert urls[:3] == [{"baseline": "http://baseline-None"}] * 3
+    assert rec.gpu_checks == (1 if side_by_side else 4)  # whenever the pool was empty
+
+
+def test_a_kept_server_that_died_is_started_again(recipe, tmp_path, monkeypatch):
+    from services.conductor.servers import server_pool
+
+    rec = _Recorded(monkeypatch)
+    store, groups = _bench_groups(recipe, tmp_path, True)
+    with server_pool(store) as pool:
+        pool.serve(*groups[0])
+        rec.dead.add("http://baseline-None")
+        pool.serve(*groups[1])
+    assert rec.events[2:5] == [
+        ("stop", "eagle3", 3),
+        ("stop", "baseline", None),
+        ("start", "baseline", None),
+    ]
