@@ -302,30 +302,14 @@ def test_the_bench_starts_its_baseline_once_for_every_k(
     store, groups = _bench_groups(recipe, tmp_path, side_by_side)
     with server_pool(store) as pool:
         urls = [pool.serve(r, modes) for r, modes in groups]
+    up, down = ("start", "baseline", None), ("stop", "baseline", None)
+    eagle3 = [(e, "eagle3", k) for k in (3, 1, 2) for e in ("start", "stop")]
     if side_by_side:
-        assert rec.events == [
-            ("start", "baseline", None),
-            ("start", "eagle3", 3),
-            ("stop", "eagle3", 3),
-            ("start", "eagle3", 1),
-            ("stop", "eagle3", 1),
-            ("start", "eagle3", 2),
-            ("stop", "eagle3", 2),
-            ("stop", "baseline", None),
-        ]
+        assert rec.events == [up, *eagle3, down]
         assert urls[1] == {"baseline": "http://baseline-None", "eagle3": "http://eagle3-1"}
     else:
         assert len(groups) == 6  # every k's baseline rounds, then each k's eagle3 rounds
-        assert rec.events == [
-            ("start", "baseline", None),
-            ("stop", "baseline", None),
-            ("start", "eagle3", 3),
-            ("stop", "eagle3", 3),
-            ("start", "eagle3", 1),
-            ("stop", "eagle3", 1),
-            ("start", "eagle3", 2),
-            ("stop", "eagle3", 2),
-        ]
+        assert rec.events == [up, down, *eagle3]
         assert urls[:3] == [{"baseline": "http://baseline-None"}] * 3
     assert rec.gpu_checks == (1 if side_by_side else 4)  # whenever the pool was empty
 
