@@ -22,6 +22,7 @@ mistaken for a torn one.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from pathlib import Path
 
@@ -62,10 +63,17 @@ def elf_complete(data: bytes, size: int) -> bool:
 
 
 def is_torn(path: Path) -> bool:
-    """Whether the built file `path` is not a complete ELF file (see `elf_complete`)."""
-    with open(path, "rb") as f:
-        head = f.read(64)
-    return not elf_complete(head, path.stat().st_size)
+    """Whether the built file `path` is not a complete ELF file (see `elf_complete`).
+
+    A file removed meanwhile (another process purging or rebuilding) is not torn.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return False
+    return not elf_complete(head, size)
 
 
 def purge_torn_kernels(cache_dir: Path | None = None) -> list[Path]:
@@ -75,8 +83,9 @@ def purge_torn_kernels(cache_dir: Path | None = None) -> list[Path]:
         cache_dir: inductor's cache folder; default the one this process uses
             (`$TORCHINDUCTOR_CACHE_DIR`, else `/tmp/torchinductor_<user>`).
 
-    A file whose build lock another process holds for longer than `LOCK_TIMEOUT_S` is left
-    alone (with a warning): that build is still running, not torn.
+    Only a file that looks torn takes its build lock, to be checked again under it; one whose
+    lock another process holds for longer than `LOCK_TIMEOUT_S` is left alone (with a
+    warning): that build is still running, not torn.
     """
     from filelock import FileLock, Timeout
 
@@ -86,10 +95,12 @@ def purge_torn_kernels(cache_dir: Path | None = None) -> list[Path]:
         cache_dir = Path(inductor_cache_dir())
     removed = []
     for path in sorted(p for p in cache_dir.rglob("*") if p.suffix in BUILT_SUFFIXES):
+        if not is_torn(path):
+            continue
         key = path.name.split(".", 1)[0]
         try:
             with FileLock(cache_dir / "locks" / f"{key}.lock", timeout=LOCK_TIMEOUT_S):
-                if path.is_file() and is_torn(path):
+                if is_torn(path):
                     path.unlink()
                     removed.append(path)
         except Timeout:
