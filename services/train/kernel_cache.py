@@ -1,22 +1,26 @@
 """Torn compiled kernels in inductor's on-disk cache: found by their ELF headers and removed.
 
-Responsibility: `purge_torn_kernels`, which `services.train.loss` calls when a compiled loss
-kernel fails to build or load, before it falls back to eager.
+Responsibility: `purge_torn_kernels`, which `services.train.loss.loss_kernels` calls once per
+process, before its first build.
 
 Why. torch 2.13's inductor writes the sources and Python wrappers of its CPU kernels
 atomically (a temp file, then a rename), but `g++` writes each library (`<key>.so`,
 `<key>.main.so`) and object (`.o`) straight to its cache path, under a file lock, and later
 processes take any file that exists for a built kernel (`CppCodeCache.load_async`). A trainer
 killed while `g++` runs (a restarted container: `scripts/test-deploy` kills the trainer at its
-first checkpoint) leaves a partial file, and every later process that needs that kernel fails
-on it: `ImportError: ...main.so: file too short` on loading, or a link error building a
-library that links it. Removing the partial file lets the next build make it again.
+first checkpoint) leaves a partial file, and every later process that needs it fails:
+`ImportError: ...main.so: file too short` on loading a kernel, or, when the torn file is the
+small library inductor builds to test the CPU's vector ISA (`VecISA.check_build`), a CPU taken
+for one without AVX-512, whose flags then fail to compile the cached vectorized kernels
+("'at::vec' has not been declared"). Inductor keeps that ISA decision in memory, so the purge
+runs before the process's first build: a retry after a failure fails the same way. Removing
+the partial file lets the next build make it again.
 
-A complete ELF file holds its program and section header tables; `g++` writes the section
-headers last, so a file cut anywhere is shorter than they say (the check the dynamic loader's
-"file too short" makes). Each file is checked and removed under the lock inductor builds it
-under (`<cache>/locks/<key>.lock`), so a build in progress in another process is never
-mistaken for a torn one.
+A complete ELF file holds its program and section header tables; the linker writes the
+section headers at the file's end, so a file cut anywhere is shorter than they say (the
+check behind the dynamic loader's "file too short"). A file that looks torn is checked again
+and removed under the lock inductor builds it under (`<cache>/locks/<key>.lock`), so a build
+in progress in another process is never mistaken for a torn one.
 """
 
 from __future__ import annotations
